@@ -1,0 +1,1 @@
+"""pie host: runs a transformers model and lets WebAssembly inferlets drive generation."""

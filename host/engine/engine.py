@@ -1,0 +1,299 @@
+"""The engine: a transformers model over a paged KV pool, running ragged batches of passes.
+
+A step is three calls, in the manner of nano-vllm: `prepare` (bookkeeping, no device work
+beyond page copies), `run` (one model call for every pass), `commit` (advance each working
+set's frozen length by its fold). `forward` does all three for passes whose fold is known.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import BadHandle, ContextOverflow, InvalidArgument, PieError
+from . import attention
+from .pages import PagePool
+from .working_set import WorkingSet
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    architecture: str
+    vocab_size: int
+    eos_ids: list[int]
+    context_len: int
+    hidden_size: int
+    num_layers: int
+    dtype: str
+    device: str
+    drafters: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Pass:
+    """One window of rows written at `ws`'s frozen end.
+
+    tokens: the window's ids (a list, or an int64 tensor on the model's device).
+    readout: window rows whose logits (and hidden state) are returned.
+    fold: rows frozen after the pass; None freezes the whole window.
+    """
+
+    ws: WorkingSet
+    tokens: list[int] | torch.Tensor
+    readout: list[int]
+    fold: int | None = None
+    hidden: bool = False
+
+    @property
+    def window(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class PassOutput:
+    logits: torch.Tensor  # [len(readout), vocab] float32
+    hidden: torch.Tensor | None = None  # [len(readout), hidden_size]
+
+
+@dataclass
+class Batch:
+    passes: list[Pass]
+    first_positions: list[int]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    meta: attention.BatchMeta
+    readout_index: torch.Tensor
+    readout_splits: list[int]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware computes it natively, float32 otherwise."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgument("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return default_dtype(device)
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise InvalidArgument(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, name: str = "model", kv_pages: int = 2048, page_size: int = 16,
+                 context_len: int | None = None, drafters: list[str] | None = None):
+        attention.register()
+        self.model = model.eval()
+        self.model.config._attn_implementation = attention.NAME
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.pool = PagePool(kv_pages, page_size)
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, kv_pages * page_size, cfg.num_key_value_heads, head_dim,
+                              dtype=self.dtype, device=self.device)
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
+        self.info = ModelInfo(
+            name=name, architecture=type(model).__name__, vocab_size=model.get_output_embeddings().weight.shape[0],
+            eos_ids=eos_ids, context_len=context_len or getattr(cfg, "max_position_embeddings", 2048),
+            hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device), drafters=list(drafters or []),
+        )
+        self._decoder = model.get_decoder()
+        self._lm_head = model.get_output_embeddings()
+        self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
+        self.model_time_s = 0.0
+        self.model_calls = 0
+
+    # ---- working sets -------------------------------------------------------------
+    def new_working_set(self) -> WorkingSet:
+        with self._lock:
+            return WorkingSet(next(self._ids), self.pool)
+
+    def fork(self, ws: WorkingSet) -> WorkingSet:
+        with self._lock:
+            ws.check_alive()
+            return ws.fork(next(self._ids))
+
+    def release(self, ws: WorkingSet) -> None:
+        with self._lock:
+            ws.release()
+
+    def truncate(self, ws: WorkingSet, n: int) -> None:
+        with self._lock:
+            ws.check_alive()
+            ws.truncate(n)
+
+    def evict(self, ws: WorkingSet, start: int, end: int) -> None:
+        with self._lock:
+            ws.check_alive()
+            copies = ws.evict(start, end)
+            if copies:
+                src, dst = zip(*copies)
+                self._copy_slots(list(src), list(dst))
+
+    def _copy_slots(self, src: list[int], dst: list[int]) -> None:
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        self.kv[:, :, d] = self.kv[:, :, s]
+
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        p = self.pool.page_size
+        src = [s * p + i for s, _ in copies for i in range(p)]
+        dst = [d * p + i for _, d in copies for i in range(p)]
+        self._copy_slots(src, dst)
+
+    # ---- validation -----------------------------------------------------------------
+    def check_pass(self, ps: Pass) -> None:
+        """Raise a PieError if the pass cannot run; changes nothing."""
+        ps.ws.check_alive()
+        w = ps.window
+        if w < 1:
+            raise InvalidArgument("a pass needs a window of at least one row")
+        if ps.ws.frozen + w > self.info.context_len:
+            raise ContextOverflow(
+                f"window of {w} rows at frozen length {ps.ws.frozen} exceeds the model's context of "
+                f"{self.info.context_len} rows; truncate or evict rows first")
+        if isinstance(ps.tokens, list):
+            bad = [t for t in ps.tokens if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
+        bad_rows = [r for r in ps.readout if not 0 <= r < w]
+        if bad_rows:
+            raise InvalidArgument(f"readout row {bad_rows[0]} is outside the window of {w} rows")
+        if ps.fold is not None and not 0 <= ps.fold <= w:
+            raise InvalidArgument(f"fold {ps.fold} is outside 0..{w} (the window length)")
+
+    # ---- the step -------------------------------------------------------------------
+    def forward(self, passes: list[Pass]) -> list[PassOutput | PieError]:
+        """Run passes with known folds in one model call; a failing pass gets its error, the rest run."""
+        results: list[PassOutput | PieError | None] = [None] * len(passes)
+        with self._lock:
+            batch, ok = self.prepare(passes, results)
+            if batch is None:
+                return results  # type: ignore[return-value]
+            outs = self.run(batch)
+            for i, first, out in zip(ok, batch.first_positions, outs):
+                ps = passes[i]
+                fold = ps.window if ps.fold is None else ps.fold
+                self.commit(ps, first, fold, self._host_tokens(ps.tokens))
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _host_tokens(tokens) -> list[int]:
+        return tokens if isinstance(tokens, list) else tokens.tolist()
+
+    def prepare(self, passes: list[Pass], errors: list) -> tuple[Batch | None, list[int]]:
+        """Validate and place each pass; failures are written into `errors` by index."""
+        seen: set[int] = set()
+        ok = []
+        copies = []
+        for i, ps in enumerate(passes):
+            try:
+                self.check_pass(ps)
+                if ps.ws.id in seen:
+                    raise InvalidArgument(f"working set {ps.ws.id} has two passes in one batch")
+                copies += ps.ws.prepare_write(ps.window)
+                seen.add(ps.ws.id)
+                ok.append(i)
+            except PieError as e:
+                errors[i] = e
+        if copies:
+            self._copy_pages(copies)
+        if not ok:
+            return None, ok
+        return self._build([passes[i] for i in ok]), ok
+
+    def _build(self, passes: list[Pass]) -> Batch:
+        dev = self.device
+        firsts = [ps.ws.next_position for ps in passes]
+        ids, pos, slots, ctx, readout, splits = [], [], [], [], [], []
+        offset = 0
+        for ps, first in zip(passes, firsts):
+            w, f = ps.window, ps.ws.frozen
+            pos.extend(range(first, first + w))
+            slots.extend(ps.ws.slots(f, f + w))
+            ctx.append(ps.ws.slots(0, f + w))
+            readout.extend(offset + r for r in ps.readout)
+            splits.append(len(ps.readout))
+            offset += w
+        tok = [torch.tensor(ps.tokens, dtype=torch.long) if isinstance(ps.tokens, list) else ps.tokens.to(torch.long)
+               for ps in passes]
+        input_ids = (torch.cat(tok) if len(tok) > 1 else tok[0]).to(dev)
+        lmax = max(len(c) for c in ctx)
+        wmax = max(ps.window for ps in passes)
+        ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
+        mask = q_index = q_valid = None
+        if len(passes) > 1 or wmax > 1:
+            frozen = torch.tensor([ps.ws.frozen for ps in passes], device=dev)
+            ctx_len = torch.tensor([len(c) for c in ctx], device=dev)
+            wlen = torch.tensor([ps.window for ps in passes], device=dev)
+            qi = torch.arange(wmax, device=dev)
+            kj = torch.arange(lmax, device=dev)
+            # key j is visible to window row i iff j <= frozen + i (causal), and j is a real row
+            mask = (kj[None, None, :] <= frozen[:, None, None] + qi[None, :, None]) & (kj[None, None, :] < ctx_len[:, None, None])
+            mask = mask.unsqueeze(1)
+            if len(passes) > 1:
+                starts = torch.cumsum(wlen, 0) - wlen
+                valid = qi[None, :] < wlen[:, None]
+                q_index = torch.where(valid, starts[:, None] + qi[None, :], 0)
+                q_valid = valid.flatten()
+        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), ctx_t, q_index, q_valid, mask)
+        return Batch(passes, firsts, input_ids, torch.tensor(pos, device=dev), meta,
+                     torch.tensor(readout, device=dev, dtype=torch.long), splits)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[PassOutput]:
+        import time
+
+        t0 = time.perf_counter()
+        out = self._decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                            use_cache=False, pie_batch=batch.meta)
+        hidden = out.last_hidden_state[0].index_select(0, batch.readout_index)
+        logits = self._lm_head(hidden).float()
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        self.model_time_s += time.perf_counter() - t0
+        self.model_calls += 1
+        results = []
+        want_hidden = [ps.hidden for ps in batch.passes]
+        for lg, hd, wh in zip(logits.split(batch.readout_splits), hidden.split(batch.readout_splits), want_hidden):
+            results.append(PassOutput(lg, hd if wh else None))
+        return results
+
+    def commit(self, ps: Pass, first_position: int, fold: int, tokens: list[int]) -> None:
+        ps.ws.commit(tokens, fold, first_position)
+
+    def check_ws(self, ws) -> WorkingSet:
+        if not isinstance(ws, WorkingSet):
+            raise BadHandle("not a working set")
+        ws.check_alive()
+        return ws

@@ -1,0 +1,108 @@
+"""A working set: one sequence's KV state as a page table over the pool.
+
+Rows 0..frozen are committed. Rows past frozen are scratch: a pass writes its window there
+and only the first `fold` rows become frozen; the next pass overwrites the rest.
+All methods here are bookkeeping only and return the slot copies the engine must perform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import BadHandle, InvalidArgument
+from .pages import PagePool
+
+
+@dataclass
+class WorkingSet:
+    id: int
+    pool: PagePool
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # committed token ids, one per frozen row
+    positions: list[int] = field(default_factory=list)  # position id of each frozen row
+    released: bool = False
+
+    @property
+    def frozen(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def next_position(self) -> int:
+        return self.positions[-1] + 1 if self.positions else 0
+
+    def check_alive(self) -> None:
+        if self.released:
+            raise BadHandle(f"working set {self.id} was released")
+
+    def slot(self, row: int) -> int:
+        p = self.pool.page_size
+        return self.pages[row // p] * p + row % p
+
+    def slots(self, start: int, end: int) -> list[int]:
+        p = self.pool.page_size
+        return [self.pages[r // p] * p + r % p for r in range(start, end)]
+
+    def _pages_for(self, rows: int) -> int:
+        return -(-rows // self.pool.page_size)
+
+    def prepare_write(self, window: int) -> list[tuple[int, int]]:
+        """Make rows frozen..frozen+window writable: allocate pages, copy shared ones.
+
+        Returns (src_page, dst_page) copies. Nothing changes if the pool cannot supply the pages.
+        """
+        start, end = self.frozen, self.frozen + window
+        first, need = start // self.pool.page_size, self._pages_for(end)
+        shared = [i for i in range(first, min(need, len(self.pages))) if self.pool.refcount(self.pages[i]) > 1]
+        # Only a page holding frozen rows needs its contents copied; a shared page past the
+        # frozen end can only come from a fork, which never shares scratch pages.
+        new = self.pool.alloc(max(0, need - len(self.pages)) + len(shared))
+        copies = []
+        for i in shared:
+            dst = new.pop()
+            copies.append((self.pages[i], dst))
+            self.pool.release([self.pages[i]])
+            self.pages[i] = dst
+        self.pages.extend(new)
+        return copies
+
+    def commit(self, window_tokens: list[int], fold: int, first_position: int) -> None:
+        self.tokens.extend(window_tokens[:fold])
+        self.positions.extend(range(first_position, first_position + fold))
+
+    def fork(self, new_id: int) -> "WorkingSet":
+        keep = self.pages[: self._pages_for(self.frozen)]
+        self.pool.retain(keep)
+        return WorkingSet(new_id, self.pool, list(keep), list(self.tokens), list(self.positions))
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.frozen:
+            raise InvalidArgument(f"truncate to {n}: must be between 0 and the frozen length {self.frozen}")
+        del self.tokens[n:]
+        del self.positions[n:]
+        keep = self._pages_for(n)
+        self.pool.release(self.pages[keep:])
+        del self.pages[keep:]
+
+    def evict(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Drop frozen rows start..end; later rows move down and keep their positions.
+
+        Returns (src_slot, dst_slot) row copies. Nothing changes if the pool is exhausted.
+        """
+        if not 0 <= start < end <= self.frozen:
+            raise InvalidArgument(f"evict [{start}, {end}): need 0 <= start < end <= frozen length {self.frozen}")
+        p = self.pool.page_size
+        first = start // p
+        moved = list(range(first * p, start)) + list(range(end, self.frozen))
+        new_pages = self.pool.alloc(self._pages_for(len(moved)))
+        copies = [(self.slot(r), new_pages[i // p] * p + i % p) for i, r in enumerate(moved)]
+        self.pool.release(self.pages[first:])
+        self.pages[first:] = new_pages
+        del self.tokens[start:end]
+        del self.positions[start:end]
+        return copies
+
+    def release(self) -> None:
+        if not self.released:
+            self.pool.release(self.pages)
+            self.pages = []
+            self.released = True
