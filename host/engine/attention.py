@@ -35,8 +35,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     # query/key/value: [1, heads, T, head_dim] over the flattened batch.
     pool_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     pool_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    k = pool_k[meta.ctx_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-    v = pool_v[meta.ctx_slots].transpose(1, 2)
+    shape = (*meta.ctx_slots.shape, *pool_k.shape[1:])  # [B, L, kv_heads, D]
+    flat = meta.ctx_slots.view(-1)
+    k = pool_k.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
+    v = pool_v.index_select(0, flat).view(shape).transpose(1, 2)
     if meta.q_index is None:
         q = query
     else:

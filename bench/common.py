@@ -1,0 +1,59 @@
+"""Shared benchmark plumbing: prompts, timing, tables and result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "specbench-dev.jsonl"
+RESULTS = ROOT / "results"
+
+
+def load_prompts(limit: int | None = None, ids: list[int] | None = None) -> list[dict]:
+    with open(DATA) as f:
+        rows = [json.loads(line) for line in f]
+    if ids:
+        rows = [r for r in rows if r["id"] in ids]
+    return rows[:limit] if limit else rows
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def machine() -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
+
+
+def geomean(xs: list[float]) -> float:
+    return statistics.geometric_mean(xs) if xs else float("nan")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table; floats get 2 decimals."""
+    cells = [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+def write(name: str, data: dict, markdown: str) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2))
+    (RESULTS / f"{name}.md").write_text(markdown + "\n")
+    return path

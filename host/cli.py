@@ -1,0 +1,93 @@
+"""The `pie` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import PieError
+
+
+def _cmd_import(args) -> int:
+    from . import store
+
+    rec, created = store.import_model(args.source, name=args.name, dtype=args.dtype, drafter=args.drafter,
+                                      progress=sys.stderr.isatty() or args.progress)
+    state = "imported" if created else "already imported"
+    print(f"{state}: {rec.name} ({rec.architecture}, {rec.parameters / 1e6:.1f}M parameters, {rec.dtype}) at {rec.path}")
+    return 0
+
+
+def _cmd_list(args) -> int:
+    from dataclasses import asdict
+
+    from . import store
+
+    recs = store.list_models()
+    if args.json:
+        print(json.dumps([asdict(r) for r in recs], indent=2))
+        return 0
+    if not recs:
+        print("no models imported; run `pie model import smollm2-135m`")
+        return 0
+    rows = [("NAME", "ARCHITECTURE", "PARAMS", "DTYPE", "DRAFTERS", "PATH")]
+    rows += [(r.name, r.architecture, f"{r.parameters / 1e6:.1f}M", r.dtype, ",".join(r.drafters) or "-", r.path)
+             for r in recs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _cmd_remove(args) -> int:
+    from . import store
+
+    store.remove_model(args.name)
+    print(f"removed {args.name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pie", description="Programmable LLM inference host")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage the model store ($PIE_HOME, default ~/.cache/pie)")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    imp = msub.add_parser("import", help="convert a model into the store")
+    imp.add_argument("source", help="alias (smollm2-135m), Hugging Face model folder, or .gguf file")
+    imp.add_argument("--name", help="store name (default: the alias or the folder/file name)")
+    imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    imp.add_argument("--drafter", help="attach a draft head by name")
+    imp.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+    imp.set_defaults(func=_cmd_import)
+    ls = msub.add_parser("list", help="list imported models")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_cmd_list)
+    rm = msub.add_parser("remove", help="delete a model from the store")
+    rm.add_argument("name")
+    rm.set_defaults(func=_cmd_remove)
+
+    try:
+        from .runtime.cli import add_run_parser
+    except ModuleNotFoundError as e:  # model management works without the runtime
+        if e.name not in ("host.runtime", "host.runtime.cli"):
+            raise
+    else:
+        add_run_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PieError as e:
+        print(f"pie: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Shared fixtures: a tiny random Llama (fast, exact reference) and the real default model."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench-dev.jsonl"
+
+
+def dev_prompts() -> list[dict]:
+    with open(DATA) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def tiny():
+    """(engine, reference model) over the same random weights; the engine pool is small on purpose."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from host.engine import Engine
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      eos_token_id=2, bos_token_id=1)
+    model = LlamaForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    ref.config._attn_implementation = "eager"
+
+    class Tok:
+        eos_token_id = 2
+
+    eng = Engine(model, Tok(), name="tiny", kv_pages=16, page_size=4)
+    return eng, ref
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The default model in float32, imported into the store first if needed."""
+    from host import store
+    from host.errors import ModelNotFound
+
+    try:
+        store.read_record(store.DEFAULT_MODEL)
+    except ModelNotFound:
+        store.import_model(store.DEFAULT_MODEL, progress=False)
+    return store.open_engine(dtype="float32", device="cpu", kv_pages=1024)
+
+
+@pytest.fixture(scope="session")
+def chat_ids(engine) -> list[list[int]]:
+    """Token ids of every dev prompt wrapped as one user turn in the chat template."""
+    tok = engine.tokenizer
+    out = []
+    for p in dev_prompts():
+        ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+_HF_CACHE: dict = {}
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(engine, chat_ids):
+    """hf_greedy(i, n): HF generate(do_sample=False) continuation of dev prompt i, computed once per session."""
+    from transformers import AutoModelForCausalLM
+
+    from host import store
+
+    ref = AutoModelForCausalLM.from_pretrained(store.read_record(engine.info.name).path, dtype=torch.float32).eval()
+
+    def get(i: int, n: int) -> list[int]:
+        key = (i, n)
+        if key not in _HF_CACHE:
+            with torch.inference_mode():
+                x = torch.tensor([chat_ids[i]])
+                out = ref.generate(x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x))
+            _HF_CACHE[key] = out[0, len(chat_ids[i]):].tolist()
+        return _HF_CACHE[key]
+
+    return get

@@ -1,0 +1,160 @@
+"""The engine against transformers' own forward on a tiny random Llama (fp32, exact to 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from host.engine import Pass
+from host.errors import BadHandle, ContextOverflow, InvalidArgument, PoolExhausted
+
+TOL = 1e-4
+
+
+def ref_logits(ref, seq: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return ref(torch.tensor([seq])).logits[0]
+
+
+def run(eng, *passes):
+    out = eng.forward(list(passes))
+    for o in out:
+        if isinstance(o, Exception):
+            raise o
+    return out
+
+
+def seq(n, start=3):
+    return [(start + 7 * i) % 90 + 3 for i in range(n)]
+
+
+def test_mixed_batch_matches_transformers(tiny):
+    eng, ref = tiny
+    a, b, c = eng.new_working_set(), eng.new_working_set(), eng.new_working_set()
+    sa, sb, sc = seq(9, 1), seq(3, 2), seq(6, 5)
+    run(eng, Pass(b, sb, [2]), Pass(c, sc[:2], [0, 1]))
+    # prefill (a), single-row decode (b), multi-row window (c), all in one call
+    oa, ob, oc = run(eng, Pass(a, sa, list(range(9))), Pass(b, [11], [0]), Pass(c, sc[2:], [0, 1, 2, 3]))
+    assert torch.allclose(oa.logits, ref_logits(ref, sa), atol=TOL)
+    assert torch.allclose(ob.logits[0], ref_logits(ref, sb + [11])[-1], atol=TOL)
+    assert torch.allclose(oc.logits, ref_logits(ref, sc)[2:], atol=TOL)
+    # a fork decoding next to its parent, and a truncated set, in one batch
+    d = eng.fork(a)
+    eng.truncate(c, 3)
+    oa2, od, oc2 = run(eng, Pass(a, [20, 21], [0, 1]), Pass(d, [30], [0]), Pass(c, [40], [0]))
+    assert torch.allclose(oa2.logits, ref_logits(ref, sa + [20, 21])[-2:], atol=TOL)
+    assert torch.allclose(od.logits[0], ref_logits(ref, sa + [30])[-1], atol=TOL)
+    assert torch.allclose(oc2.logits[0], ref_logits(ref, sc[:3] + [40])[-1], atol=TOL)
+
+
+def test_readout_chooses_rows_and_hidden(tiny):
+    eng, ref = tiny
+    ws = eng.new_working_set()
+    s = seq(7)
+    (o,) = run(eng, Pass(ws, s, [1, 5], hidden=True))
+    assert o.logits.shape == (2, 97) and o.hidden.shape == (2, 64)
+    full = ref_logits(ref, s)
+    assert torch.allclose(o.logits, full[[1, 5]], atol=TOL)
+
+
+def test_fold_freezes_exactly_m_rows_and_scratch_is_overwritten(tiny):
+    eng, ref = tiny
+    ws = eng.new_working_set()
+    s = seq(5)
+    run(eng, Pass(ws, s, [4]))
+    # window of 4 drafts, only 1 accepted: the 3 scratch rows must never be attended
+    run(eng, Pass(ws, [50, 51, 52, 53], [0, 1, 2, 3], fold=1))
+    assert ws.frozen == 6 and ws.tokens == s + [50]
+    (o,) = run(eng, Pass(ws, [60, 61], [0, 1], fold=0))
+    assert ws.frozen == 6
+    assert torch.allclose(o.logits, ref_logits(ref, s + [50, 60, 61])[-2:], atol=TOL)
+    (o,) = run(eng, Pass(ws, [70], [0], fold=1))
+    assert torch.allclose(o.logits[0], ref_logits(ref, s + [50, 70])[-1], atol=TOL)
+    assert ws.frozen == 7
+
+
+def test_fork_isolation(tiny):
+    eng, ref = tiny
+    parent = eng.new_working_set()
+    s = seq(6)  # page size 4: the fork shares a partly filled page
+    run(eng, Pass(parent, s, [5]))
+    child = eng.fork(parent)
+    run(eng, Pass(child, [80, 81, 82], [2]))
+    (op,) = run(eng, Pass(parent, [90], [0]))
+    assert torch.allclose(op.logits[0], ref_logits(ref, s + [90])[-1], atol=TOL)
+    (oc,) = run(eng, Pass(child, [83], [0]))
+    assert torch.allclose(oc.logits[0], ref_logits(ref, s + [80, 81, 82, 83])[-1], atol=TOL)
+    assert parent.tokens == s + [90] and child.tokens == s + [80, 81, 82, 83]
+
+
+def test_release_returns_pages(tiny):
+    eng, _ = tiny
+    free = eng.pool.free_pages
+    a = eng.new_working_set()
+    run(eng, Pass(a, seq(10), [0]))
+    b = eng.fork(a)
+    run(eng, Pass(b, [5], [0]))
+    eng.release(a)
+    eng.release(b)
+    assert eng.pool.free_pages == free
+
+
+def test_evict_keeps_surviving_rows(tiny):
+    eng, ref = tiny
+    ws = eng.new_working_set()
+    s = seq(11)
+    run(eng, Pass(ws, s, [0]))
+    before = eng.kv[:, :, torch.tensor(ws.slots(0, 11))].clone()
+    eng.evict(ws, 2, 7)
+    assert ws.frozen == 6 and ws.tokens == s[:2] + s[7:]
+    assert ws.positions == [0, 1, 7, 8, 9, 10] and ws.next_position == 11
+    after = eng.kv[:, :, torch.tensor(ws.slots(0, 6))]
+    assert torch.equal(after, before[:, :, [0, 1, 7, 8, 9, 10]])
+    (o,) = run(eng, Pass(ws, [12], [0]))
+    assert torch.isfinite(o.logits).all() and ws.frozen == 7
+
+
+def test_pool_exhaustion_is_clear_and_changes_nothing(tiny):
+    eng, ref = tiny  # 16 pages of 4 rows
+    big, small = eng.new_working_set(), eng.new_working_set()
+    run(eng, Pass(big, seq(39), [0]))  # 10 pages, one row free
+    free = eng.pool.free_pages
+    out = eng.forward([Pass(small, seq(30), [0]), Pass(big, [7], [0])])
+    assert isinstance(out[0], PoolExhausted) and "exhausted" in str(out[0])
+    assert small.frozen == 0 and not isinstance(out[1], Exception) and big.frozen == 40
+    assert eng.pool.free_pages == free  # big's new row fit in its last page
+    assert torch.allclose(out[1].logits[0], ref_logits(ref, seq(39) + [7])[-1], atol=TOL)
+
+
+@pytest.mark.parametrize("make, err", [
+    (lambda ws: Pass(ws, [97], [0]), InvalidArgument),  # out of vocabulary
+    (lambda ws: Pass(ws, [-1], [0]), InvalidArgument),
+    (lambda ws: Pass(ws, [3, 4], [2]), InvalidArgument),  # readout past the window
+    (lambda ws: Pass(ws, [3, 4], [0], fold=3), InvalidArgument),  # fold past the window
+    (lambda ws: Pass(ws, [], []), InvalidArgument),
+    (lambda ws: Pass(ws, [3] * 129, [0]), ContextOverflow),
+])
+def test_bad_passes_fail_alone(tiny, make, err):
+    eng, ref = tiny
+    ws, good = eng.new_working_set(), eng.new_working_set()
+    out = eng.forward([make(ws), Pass(good, [5, 6], [1])])
+    assert isinstance(out[0], err) and str(out[0])
+    assert ws.frozen == 0 and good.frozen == 2
+    assert torch.allclose(out[1].logits[0], ref_logits(ref, [5, 6])[-1], atol=TOL)
+
+
+def test_bad_handles_and_ranges(tiny):
+    eng, _ = tiny
+    ws = eng.new_working_set()
+    run(eng, Pass(ws, [5, 6, 7], [0]))
+    out = eng.forward([Pass(ws, [1], [0]), Pass(ws, [2], [0])])
+    assert isinstance(out[1], InvalidArgument) and "two passes" in str(out[1])
+    with pytest.raises(InvalidArgument):
+        eng.truncate(ws, 99)
+    with pytest.raises(InvalidArgument):
+        eng.evict(ws, 2, 2)
+    eng.release(ws)
+    with pytest.raises(BadHandle):
+        eng.fork(ws)
+    (res,) = eng.forward([Pass(ws, [1], [0])])
+    assert isinstance(res, BadHandle)
