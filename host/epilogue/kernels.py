@@ -1,0 +1,301 @@
+"""Torch implementations of the IR's ops, on batched tensors [B, ...].
+
+Every runtime value carries a leading batch dim B (passes of several working
+sets running the same program). Axis attrs in the IR are for the unbatched
+value; the validator has normalised them to be non-negative, so +1 here.
+No kernel reads a tensor back to the host: lengths and counts stay on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from host.epilogue.validate import Op, Value
+
+TORCH_DTYPE = {"i64": torch.int64, "f32": torch.float32, "bool": torch.bool}
+DEFAULT_FILL = {"i64": -1, "f32": 0.0, "bool": False}
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, rnd: int, op_index: int, salt: int) -> int:
+    """Generator seed for one row of one sampling op: a host-side hash of host ints (no sync)."""
+    h = 0
+    for part in (seed, rnd, op_index, salt):
+        h = _splitmix(h ^ (part & _MASK64))
+    return h & ((1 << 63) - 1)
+
+
+@dataclass
+class Ctx:
+    B: int
+    device: torch.device
+    bind: dict[str, int]
+    seeds: list[int]
+    rounds: list[int]
+    values: list[Value]
+
+    def shape(self, v: Value) -> list[int]:
+        return [d.resolve(self.bind) for d in v.shape]
+
+    def uniforms(self, op: Op, shape: list[int]) -> torch.Tensor:
+        """[B, *shape] uniforms in [0, 1); row b drawn from its own generator so a row's
+        draws do not depend on which other passes share the batch."""
+        salt = op.attrs.get("seed", 0)
+        rows = []
+        for s, r in zip(self.seeds, self.rounds):
+            g = torch.Generator(device=self.device)
+            g.manual_seed(row_seed(s, r, op.index, salt))
+            rows.append(torch.rand(shape, generator=g, device=self.device, dtype=torch.float32))
+        return torch.stack(rows)
+
+
+def _align(t: torch.Tensor, rank: int) -> torch.Tensor:
+    while t.dim() - 1 < rank:
+        t = t.unsqueeze(1)
+    return t
+
+
+def _fill_of(op: Op, dtype: str):
+    return op.attrs.get("fill", DEFAULT_FILL[dtype])
+
+
+def _gather_fill(x: torch.Tensor, idx: torch.Tensor, fill) -> torch.Tensor:
+    """x[b, idx[b, j]] along dim 1 of 2-D x; out-of-range indices give `fill`."""
+    n = x.shape[1]
+    if n == 0:
+        return torch.full(idx.shape, fill, dtype=x.dtype, device=x.device)
+    ok = (idx >= 0) & (idx < n)
+    out = x.gather(1, idx.clamp(0, n - 1))
+    return out.masked_fill(~ok, fill)
+
+
+def _exp_race(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample an index over the last axis with P(i) = w_i / sum(w) (exponential race:
+    argmax of log w - log E, E = -log u ~ Exp(1)); no normalisation needed, no sync.
+    Rows without a positive weight give -1."""
+    logw = torch.where(weights > 0, weights.clamp_min(1e-38).log(), torch.full_like(weights, -torch.inf))
+    e = -torch.log(u.clamp_min(1e-38))
+    idx = (logw - torch.log(e)).argmax(-1)
+    return torch.where((weights > 0).any(-1), idx, torch.full_like(idx, -1))
+
+
+def _safe_int_div(a, b, mode):
+    zero = b == 0
+    b1 = torch.where(zero, torch.ones_like(b), b)
+    out = torch.div(a, b1, rounding_mode="floor") if mode == "floordiv" else torch.remainder(a, b1)
+    return out.masked_fill(zero, 0)
+
+
+_BIN = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+    "minimum": torch.minimum, "maximum": torch.maximum,
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "and": torch.logical_and, "or": torch.logical_or, "xor": torch.logical_xor,
+    "floordiv": lambda a, b: _safe_int_div(a, b, "floordiv"),
+    "mod": lambda a, b: _safe_int_div(a, b, "mod"),
+}
+_UN = {"neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "log": torch.log, "not": torch.logical_not}
+
+
+def run_op(ctx: Ctx, op: Op, a: list[torch.Tensor]) -> list[torch.Tensor]:
+    name, at = op.name, op.attrs
+    outv = [ctx.values[o] for o in op.outs]
+    B, dev = ctx.B, ctx.device
+
+    if name in _BIN:
+        r = len(outv[0].shape)
+        return [_BIN[name](_align(a[0], r), _align(a[1], r))]
+    if name in _UN:
+        return [_UN[name](a[0])]
+    if name == "where":
+        r = len(outv[0].shape)
+        return [torch.where(*(_align(t, r) for t in a))]
+    if name == "cast":
+        return [a[0].to(TORCH_DTYPE[at["dtype"]])]
+    if name == "const":
+        t = torch.tensor(at["value"], dtype=TORCH_DTYPE[at["dtype"]], device=dev)
+        return [t.unsqueeze(0).expand(B, *t.shape)]
+    if name == "full":
+        return [torch.full([B, *ctx.shape(outv[0])], at["value"], dtype=TORCH_DTYPE[at["dtype"]], device=dev)]
+    if name == "arange":
+        n = ctx.shape(outv[0])[0]
+        start = at.get("start", 0)
+        return [torch.arange(start, start + n, device=dev).unsqueeze(0).expand(B, n)]
+    if name == "size":
+        x = ctx.values[op.args[0]]
+        d = x.shape[at.get("axis", 0) % len(x.shape)].resolve(ctx.bind)
+        return [torch.full((B,), d, dtype=torch.int64, device=dev)]
+
+    if name in ("sum", "prod", "min", "max", "argmax", "argmin", "any", "all"):
+        x = a[0]
+        ax = at.get("axis", -1) % (x.dim() - 1) + 1
+        if name == "sum":
+            return [x.sum(ax, dtype=torch.int64) if x.dtype == torch.bool else x.sum(ax)]
+        fn = {"prod": torch.prod, "min": torch.amin, "max": torch.amax, "argmax": torch.argmax,
+              "argmin": torch.argmin, "any": torch.any, "all": torch.all}[name]
+        return [fn(x, dim=ax)]
+    if name in ("cumsum", "cumprod"):
+        x = a[0]
+        ax = at.get("axis", -1) % (x.dim() - 1) + 1
+        if x.dtype == torch.bool:
+            x = x.to(torch.int64)
+        return [x.cumsum(ax) if name == "cumsum" else x.cumprod(ax)]
+
+    if name == "softmax":
+        x = a[0]
+        ax = at.get("axis", -1) % (x.dim() - 1) + 1
+        return [torch.softmax(x / float(at.get("temperature", 1.0)), dim=ax)]
+    if name == "top_k":
+        x = a[0]
+        k = min(at["k"], x.shape[-1])
+        kth = x.topk(k, dim=-1).values[..., -1:]
+        return [x.masked_fill(x < kth, -torch.inf)]
+    if name == "top_p":
+        x = a[0]
+        srt, order = x.sort(dim=-1, descending=True)
+        probs = torch.softmax(srt, dim=-1)
+        # Drop a token when the tokens ranked above it already hold mass >= p (the top one is always kept).
+        drop_sorted = (probs.cumsum(-1) - probs) >= float(at["p"])
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        return [x.masked_fill(drop, -torch.inf)]
+    if name == "sample":
+        w = a[0]
+        return [_exp_race(w, ctx.uniforms(op, list(w.shape[1:])))]
+    if name == "rand":
+        return [ctx.uniforms(op, ctx.shape(outv[0]))]
+
+    if name == "index":
+        x = a[0]
+        ax = at.get("axis", 0) % (x.dim() - 1) + 1
+        return [x.select(ax, at["i"])]
+    if name == "slice":
+        x = a[0]
+        ax = at.get("axis", 0) % (x.dim() - 1) + 1
+        return [x[(slice(None),) * ax + (slice(at.get("start"), at.get("stop")),)]]
+    if name == "take":
+        x, idx = a
+        fill = _fill_of(op, outv[0].dtype)
+        n, rest = x.shape[1], list(x.shape[2:])
+        flat = idx.reshape(B, -1)
+        m = flat.shape[1]
+        if n == 0:
+            return [torch.full([B, *idx.shape[1:], *rest], fill, dtype=x.dtype, device=dev)]
+        ok = ((flat >= 0) & (flat < n)).view(B, m, *[1] * len(rest))
+        ic = flat.clamp(0, n - 1).view(B, m, *[1] * len(rest)).expand(B, m, *rest)
+        out = x.gather(1, ic).masked_fill(~ok, fill)
+        return [out.reshape(B, *idx.shape[1:], *rest)]
+    if name == "gather":
+        x, idx = a
+        fill = _fill_of(op, outv[0].dtype)
+        n = x.shape[-1]
+        if n == 0:
+            return [torch.full(idx.shape, fill, dtype=x.dtype, device=dev)]
+        ok = (idx >= 0) & (idx < n)
+        return [x.gather(-1, idx.clamp(0, n - 1)).masked_fill(~ok, fill)]
+    if name == "concat":
+        ax = at.get("axis", 0) % (a[0].dim() - 1) + 1
+        return [torch.cat(a, dim=ax)]
+    if name == "pack":
+        x, xl, y, yl = a
+        size = at["size"]
+        fill = _fill_of(op, outv[0].dtype)
+        j = torch.arange(size, device=dev).unsqueeze(0).expand(B, size)
+        la = xl.clamp(0, x.shape[1]).unsqueeze(1)
+        lb = yl.clamp(0, y.shape[1]).unsqueeze(1)
+        from_a = _gather_fill(x, torch.where(j < la, j, -1), fill)
+        from_b = _gather_fill(y, torch.where((j >= la) & (j < la + lb), j - la, -1), fill)
+        return [torch.where(j < la, from_a, from_b)]
+    if name == "dyn_slice":
+        x, start, length = a
+        size = at["size"]
+        j = torch.arange(size, device=dev).unsqueeze(0).expand(B, size)
+        idx = torch.where(j < length.unsqueeze(1), start.unsqueeze(1) + j, -1)
+        return [_gather_fill(x, idx, _fill_of(op, outv[0].dtype))]
+
+    if name == "ngram_lookup":
+        return ngram_lookup(a[0], a[1] if len(a) == 2 else None, at.get("ngram_min", 1),
+                            at.get("ngram_max", max(at.get("ngram_min", 1), 3)), at["k"])
+    if name == "verify_greedy":
+        return verify_greedy(a[0], a[1])
+    if name == "verify_sample":
+        drafts, p = a[0], a[1]
+        q = a[2] if len(a) == 3 else None
+        k, V = drafts.shape[1], p.shape[2]
+        u_accept = ctx.uniforms(op, [k])
+        u_race = ctx.uniforms(Op(op.index, op.name, op.args, {"seed": op.attrs.get("seed", 0) ^ 0x5EED}, op.outs),
+                              [k + 1, V])
+        return verify_sample(drafts, p, q, u_accept, u_race)
+    raise NotImplementedError(name)  # effects are handled by the executor
+
+
+def ngram_lookup(h: torch.Tensor, length: torch.Tensor | None, nmin: int, nmax: int, k: int):
+    """Prompt lookup on [B, N] history: the longest suffix (nmax down to nmin) that also
+    occurs earlier; its most recent earlier occurrence; the up-to-k tokens that followed it."""
+    B, N = h.shape
+    dev = h.device
+    L = torch.full((B,), N, dtype=torch.int64, device=dev) if length is None else length.clamp(0, N)
+    best_i = torch.full((B,), -1, dtype=torch.int64, device=dev)
+    best_n = torch.zeros((B,), dtype=torch.int64, device=dev)
+    found = torch.zeros((B,), dtype=torch.bool, device=dev)
+    for n in range(min(nmax, N), nmin - 1, -1):
+        if N < n + 1:
+            continue
+        wins = h.unfold(1, n, 1)  # [B, N-n+1, n]: wins[:, i] = h[i:i+n]
+        sidx = (L - n).unsqueeze(1) + torch.arange(n, device=dev)
+        suffix = h.gather(1, sidx.clamp(0, N - 1))  # [B, n]
+        pos = torch.arange(wins.shape[1], device=dev).unsqueeze(0)
+        match = (wins == suffix.unsqueeze(1)).all(-1) & (pos < (L - n).unsqueeze(1)) & (L >= n + 1).unsqueeze(1)
+        last = torch.where(match, pos, -1).amax(-1)
+        take = ~found & (last >= 0)
+        best_i = torch.where(take, last, best_i)
+        best_n = torch.where(take, torch.full_like(best_n, n), best_n)
+        found = found | take
+    pos = (best_i + best_n).unsqueeze(1) + torch.arange(k, device=dev)
+    ok = found.unsqueeze(1) & (pos < L.unsqueeze(1))
+    toks = torch.where(ok, h.gather(1, pos.clamp(0, max(N - 1, 0))) if N else torch.zeros_like(pos), -1)
+    return [toks, ok.sum(-1)]
+
+
+def verify_greedy(drafts: torch.Tensor, target: torch.Tensor):
+    """drafts [B, k], target [B, k+1] -> accepted n, tokens [B, k+1] (target[:n+1], then -1), count n+1."""
+    k = drafts.shape[1]
+    n = (drafts == target[:, :k]).to(torch.int64).cumprod(-1).sum(-1)
+    j = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
+    toks = torch.where(j <= n.unsqueeze(1), target, torch.full_like(target, -1))
+    return [n, toks, n + 1]
+
+
+def verify_sample(drafts, p, q, u_accept, u_race):
+    """Leviathan et al. rejection sampling. drafts [B, k], p [B, k+1, V] target probabilities,
+    q [B, k, V] draft probabilities (None: drafts were deterministic, q is one-hot)."""
+    B, k = drafts.shape
+    V = p.shape[2]
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    valid = (drafts >= 0) & (drafts < V)
+    dc = drafts.clamp(0, V - 1).unsqueeze(-1)
+    if q is None:
+        q = torch.zeros(B, k, V, dtype=p.dtype, device=p.device).scatter(-1, dc, 1.0)
+    else:
+        q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
+    px = p[:, :k].gather(-1, dc).squeeze(-1)
+    qx = q.gather(-1, dc).squeeze(-1)
+    accept = valid & (u_accept * qx < px)  # u < p(x)/q(x) without dividing
+    n = accept.to(torch.int64).cumprod(-1).sum(-1)
+    resid = (p[:, :k] - q).clamp_min(0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p[:, :k])  # p == q: residual is empty
+    dist = torch.cat([resid, p[:, k:]], dim=1)  # row k: bonus token from p
+    samples = _exp_race(dist, u_race)  # [B, k+1]
+    s = samples.gather(1, n.unsqueeze(1))
+    j = torch.arange(k + 1, device=p.device).unsqueeze(0)
+    dpad = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
+    toks = torch.where(j < n.unsqueeze(1), dpad, torch.where(j == n.unsqueeze(1), s, torch.full_like(dpad, -1)))
+    return [n, toks, n + 1]
