@@ -128,31 +128,31 @@ class Engine:
         self._lm_head = model.get_output_embeddings()
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self._ids = itertools.count(1)
-        self._lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
+        self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
         self.model_time_s = 0.0
         self.model_calls = 0
 
     # ---- working sets -------------------------------------------------------------
     def new_working_set(self) -> WorkingSet:
-        with self._lock:
+        with self.lock:
             return WorkingSet(next(self._ids), self.pool)
 
     def fork(self, ws: WorkingSet) -> WorkingSet:
-        with self._lock:
+        with self.lock:
             ws.check_alive()
             return ws.fork(next(self._ids))
 
     def release(self, ws: WorkingSet) -> None:
-        with self._lock:
+        with self.lock:
             ws.release()
 
     def truncate(self, ws: WorkingSet, n: int) -> None:
-        with self._lock:
+        with self.lock:
             ws.check_alive()
             ws.truncate(n)
 
     def evict(self, ws: WorkingSet, start: int, end: int) -> None:
-        with self._lock:
+        with self.lock:
             ws.check_alive()
             copies = ws.evict(start, end)
             if copies:
@@ -195,7 +195,7 @@ class Engine:
     def forward(self, passes: list[Pass]) -> list[PassOutput | PieError]:
         """Run passes with known folds in one model call; a failing pass gets its error, the rest run."""
         results: list[PassOutput | PieError | None] = [None] * len(passes)
-        with self._lock:
+        with self.lock:
             batch, ok = self.prepare(passes, results)
             if batch is None:
                 return results  # type: ignore[return-value]

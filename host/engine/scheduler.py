@@ -1,17 +1,20 @@
-"""Batches the passes of every running inferlet into shared model calls.
+"""Batches the passes of every running inferlet, and every device loop, into shared model calls.
 
-Inferlet threads call `submit` and block on the returned future; one worker thread takes
-everything pending, runs it as one engine step, and resolves the futures. A pass's result
-never depends on which other passes shared its batch.
+Inferlet threads call `submit` and block on the returned future; device loops are started
+with `start_loop` and stay in every batch until they stop. One worker thread runs each step:
+schedule (take what is pending), run (one model call), postprocess (commit folds, run
+epilogues, resolve futures). A pass's result never depends on which others shared its batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future
 
-from ..errors import PieError
+from ..errors import InvalidArgument, PieError
 from .engine import Engine, Pass
+from .loop import DeviceLoop, readback, run_epilogues
 
 
 class Scheduler:
@@ -19,9 +22,10 @@ class Scheduler:
         self.engine = engine
         self.max_batch = max_batch
         self._pending: list[tuple[Pass, Future]] = []
+        self._loops: list[DeviceLoop] = []
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="pie-scheduler", daemon=True)
         self._thread.start()
 
     def submit(self, ps: Pass) -> Future:
@@ -38,26 +42,117 @@ class Scheduler:
         """Submit and wait: returns the PassOutput or raises the pass's PieError."""
         return self.submit(ps).result()
 
+    def start_loop(self, loop: DeviceLoop) -> Future:
+        """Run `loop` until its stop flag, its round limit, an empty window or an error."""
+        with self._cv:
+            if self._closed:
+                loop.finish(PieError("the engine is shut down"))
+            else:
+                self._loops.append(loop)
+                self._cv.notify()
+        return loop.done
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify()
         self._thread.join()
+        for loop in self._loops:
+            loop.finish(PieError("the engine is shut down"))
 
-    def _loop(self) -> None:
+    # ---- the worker -------------------------------------------------------------------
+    def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._pending and not self._closed:
+                while not self._pending and not self._loops and not self._closed:
                     self._cv.wait()
-                if self._closed and not self._pending:
+                if self._closed:
+                    for _, fut in self._pending:
+                        fut.set_exception(PieError("the engine is shut down"))
                     return
-                work, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+                room = max(self.max_batch - len(self._loops), 1)
+                work, self._pending = self._pending[:room], self._pending[room:]
+                loops = [lp for lp in self._loops if not lp.done.done()]
             try:
-                results = self.engine.forward([ps for ps, _ in work])
+                self._step(work, loops)
             except Exception as e:  # an engine bug must not hang every inferlet
-                results = [e] * len(work)
-            for (_, fut), res in zip(work, results):
-                if isinstance(res, BaseException):
-                    fut.set_exception(res)
+                for _, fut in work:
+                    if not fut.done():
+                        fut.set_exception(e)
+                for lp in loops:
+                    lp.finish(e)
+            with self._cv:
+                self._loops = [lp for lp in self._loops if not lp.done.done()]
+
+    def _step(self, work: list[tuple[Pass, Future]], loops: list[DeviceLoop]) -> None:
+        eng = self.engine
+        live, loop_passes = [], []
+        for lp in loops:
+            try:
+                if lp.round >= lp.rounds:
+                    lp.finish()
+                    continue
+                ps = lp.next_pass()
+            except PieError as e:
+                lp.finish(e)
+                continue
+            if ps is None:  # the epilogue left no window: nothing more to run
+                lp.finish()
+                continue
+            live.append(lp)
+            loop_passes.append(ps)
+        passes = [ps for ps, _ in work] + loop_passes
+        errors: list = [None] * len(passes)
+        with eng.lock:
+            batch, ok = eng.prepare(passes, errors)
+            outs = eng.run(batch) if batch is not None else []
+            by_index = dict(zip(ok, zip(batch.first_positions, outs))) if batch is not None else {}
+            for i, (ps, fut) in enumerate(work):
+                if i in by_index:
+                    first, out = by_index[i]
+                    eng.commit(ps, first, ps.window if ps.fold is None else ps.fold, eng._host_tokens(ps.tokens))
+                    fut.set_result(out)
                 else:
-                    fut.set_result(res)
+                    fut.set_exception(errors[i])
+            ran = []
+            for j, lp in enumerate(live):
+                i = len(work) + j
+                if i in by_index:
+                    ran.append((lp, loop_passes[j], *by_index[i]))
+                else:
+                    lp.finish(errors[i])
+            if ran:
+                self._postprocess_loops(ran)
+
+    def _postprocess_loops(self, ran: list) -> None:
+        eng = self.engine
+        loops = [r[0] for r in ran]
+        passes = [r[1] for r in ran]
+        locks = sorted({id(lk): lk for lp in loops for lk in lp.locks()}.items())
+        with contextlib.ExitStack() as stack:
+            for _, lk in locks:
+                stack.enter_context(lk)
+            try:
+                results = run_epilogues(loops, passes, [r[3] for r in ran], eng.device)
+                backs = readback(loops, passes, results, eng.device)
+            except PieError as e:
+                for lp in loops:
+                    lp.finish(e)
+                return
+            for (lp, ps, first, _), back in zip(ran, backs):
+                fold = back["fold"]
+                if not 0 <= fold <= ps.window:
+                    lp.finish(InvalidArgument(f"the epilogue set fold {fold}, outside 0..{ps.window} (the window)"))
+                    continue
+                eng.commit(ps, first, fold, back["tokens"])
+                for name, ch in lp.channels.items():
+                    ch.count = back["lengths"][name]
+                lp.stats.record(ps.window, fold)
+                lp.round += 1
+                if lp.on_round is not None:
+                    lp.on_round(lp, ps.window, fold)
+                if back["stop"] or lp.round >= lp.rounds:
+                    lp.finish()
+        for lp in loops:
+            for ch in lp.channels.values():
+                ch.notify()

@@ -1,0 +1,133 @@
+"""The device loop: a pass fired round after round, its epilogue run on the device after each.
+
+Each round embeds its window from a channel that the previous round's epilogue filled,
+runs in the scheduler's shared model call, then runs its epilogue (compare, sample, set the
+fold, write the next window). The host reads back, once per batch for every loop in it,
+the fold counts, stop flags, channel lengths and window tokens: the page bookkeeping needs
+them, and nothing else leaves the device. The guest is not called between rounds.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InvalidArgument
+from .engine import Pass, PassOutput
+from .working_set import WorkingSet
+
+
+@dataclass
+class LoopStats:
+    rounds: int = 0
+    drafted: int = 0  # window rows past the first (the last committed token)
+    accepted: int = 0  # of those, rows that were frozen
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+
+    def record(self, window: int, fold: int) -> None:
+        self.rounds += 1
+        drafts = max(window - 1, 0)
+        acc = min(max(fold - 1, 0), drafts)
+        self.drafted += drafts
+        self.accepted += acc
+        for pos in range(drafts):
+            if pos >= len(self.drafted_by_position):
+                self.drafted_by_position.append(0)
+                self.accepted_by_position.append(0)
+            self.drafted_by_position[pos] += 1
+            self.accepted_by_position[pos] += pos < acc
+
+
+@dataclass
+class DeviceLoop:
+    """State of one looping pass. Channels follow host.runtime.channels.Channel:
+    `.buf` (device tensor), `.count` (host int), `.lock` (a Condition), `.notify()`."""
+
+    ws: WorkingSet
+    program: object  # host.epilogue.Program
+    channels: dict  # name in the program -> channel
+    embed: object  # the channel whose cells are each round's window
+    max_window: int
+    rounds: int
+    readout: list[int] | None = None  # None: every row of the window
+    fold_channel: object | None = None  # fold = cell 0 of this channel, when the program sets none
+    seed: int = 0
+    hidden: bool = False
+    round: int = 0
+    stats: LoopStats = field(default_factory=LoopStats)
+    done: Future = field(default_factory=Future)
+    on_round: object | None = None  # callback(loop, window, fold) after each round's bookkeeping
+
+    def next_pass(self) -> Pass | None:
+        n = self.embed.count
+        if n == 0:
+            return None
+        if n > self.max_window:
+            raise InvalidArgument(f"the window channel holds {n} cells, more than the pass's window of {self.max_window}")
+        rows = list(range(n)) if self.readout is None else self.readout
+        # A copy: the epilogue overwrites the channel with the next window before readback.
+        return Pass(self.ws, self.embed.buf[:n].clone(), rows, fold=0, hidden=self.hidden)
+
+    def locks(self) -> list:
+        chans = {id(c): c for c in [*self.channels.values(), self.embed, self.fold_channel] if c is not None}
+        return [chans[k].lock for k in sorted(chans)]
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if not self.done.done():
+            if error is None:
+                self.done.set_result(self.stats)
+            else:
+                self.done.set_exception(error)
+
+
+def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device) -> list:
+    """Run each loop's epilogue on its pass's outputs; returns per loop (fold, stop, writes) device values."""
+    from ..epilogue import Env, SimpleChannel, apply_writes
+
+    envs, progs = [], []
+    for loop, ps, out in zip(loops, passes, outs):
+        chans = {name: SimpleChannel(ch.buf, torch.tensor(ch.count, dtype=torch.int64, device=device))
+                 for name, ch in loop.channels.items()}
+        hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)
+        envs.append(Env(logits=out.logits, window=ps.tokens, history=hist, hidden=out.hidden,
+                        channels=chans, seed=loop.seed, round=loop.round))
+        progs.append(loop.program)
+    results: list = [None] * len(loops)
+    by_prog: dict[int, list[int]] = {}
+    for i, p in enumerate(progs):
+        by_prog.setdefault(id(p), []).append(i)
+    for idx in by_prog.values():
+        for i, res in zip(idx, progs[idx[0]].run([envs[i] for i in idx])):
+            apply_writes(res, envs[i].channels)
+            results[i] = (res, envs[i].channels)
+    return results
+
+
+def readback(loops: list[DeviceLoop], passes: list[Pass], results: list, device) -> list[dict]:
+    """The one host transfer per batch: folds, stops, channel lengths and window tokens."""
+    parts = []
+    for loop, ps, (res, chans) in zip(loops, passes, results):
+        if res.fold is not None:
+            fold = res.fold.reshape(1)
+        elif loop.fold_channel is not None:
+            fold = loop.fold_channel.buf[:1].to(torch.int64)  # read after the epilogue wrote it
+        else:
+            fold = torch.tensor([ps.window], device=device)
+        stop = res.stop.reshape(1).to(torch.int64) if res.stop is not None else torch.zeros(1, dtype=torch.int64, device=device)
+        lengths = [chans[name].length.reshape(1) for name in loop.channels]
+        parts += [fold, stop, *lengths, ps.tokens.to(torch.int64)]
+    flat = torch.cat(parts).tolist()  # the sync: page bookkeeping needs folds and lengths on the host
+    out, i = [], 0
+    for loop, ps in zip(loops, passes):
+        fold, stop = flat[i], bool(flat[i + 1])
+        i += 2
+        lengths = dict(zip(loop.channels, flat[i:i + len(loop.channels)]))
+        i += len(loop.channels)
+        tokens = flat[i:i + ps.window]
+        i += ps.window
+        out.append({"fold": fold, "stop": stop, "lengths": lengths, "tokens": tokens})
+    return out
+

@@ -1,0 +1,129 @@
+"""The device loop on the tiny model: epilogues sample, fold and refill the window on the device."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from host.engine import Pass
+from host.engine.loop import DeviceLoop
+from host.engine.scheduler import Scheduler
+from host.epilogue import compile_program
+
+
+def _tracer():
+    path = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet" / "trace.py"
+    spec = importlib.util.spec_from_file_location("inferlet_trace_loop", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+trace = _tracer()
+
+
+class Chan:
+    """The channel protocol the loop needs (the runtime's channels follow it)."""
+
+    def __init__(self, capacity, values=()):
+        self.buf = torch.zeros(capacity, dtype=torch.int64)
+        self.count = len(values)
+        self.buf[: self.count] = torch.tensor(list(values), dtype=torch.int64)
+        self.lock = threading.Condition()
+
+    def notify(self):
+        with self.lock:
+            self.lock.notify_all()
+
+    def cells(self):
+        return self.buf[: self.count].tolist()
+
+
+def greedy_program(limit: int, eos: int) -> str:
+    p = trace.Program(window=1, readout=1)
+    p.channel("out", "i64", 256)
+    p.channel("window", "i64", 1)
+    tok = p.logits().argmax()
+    p.put("out", tok)
+    p.set("window", tok)
+    p.fold(p.const(1))
+    p.stop_if((tok[0] == eos) | (p.length("out") + 1 >= limit))
+    return p.to_json()
+
+
+def plain_greedy(eng, prompt, n):
+    ws = eng.new_working_set()
+    (out,) = eng.forward([Pass(ws, prompt, [len(prompt) - 1])])
+    toks = []
+    for _ in range(n):
+        t = int(out.logits[-1].argmax())
+        toks.append(t)
+        (out,) = eng.forward([Pass(ws, [t], [0])])
+    eng.release(ws)
+    return toks
+
+
+def start_greedy_loop(sched, eng, prompt, limit, rounds=1000):
+    ws = eng.new_working_set()
+    eng.forward([Pass(ws, prompt[:-1], [0])])
+    out, win = Chan(256), Chan(1, [prompt[-1]])
+    loop = DeviceLoop(ws, compile_program(greedy_program(limit, eos=-5)), {"out": out, "window": win}, win,
+                      max_window=1, rounds=rounds)
+    return ws, out, sched.start_loop(loop)
+
+
+def test_loop_equals_plain_greedy_and_batches(tiny):
+    eng, _ = tiny
+    sched = Scheduler(eng)
+    try:
+        prompts = [[5, 9, 13, 4], [7, 8], [30, 31, 32, 33, 34, 35]]
+        want = [plain_greedy(eng, p, 12) for p in prompts]
+        runs = [start_greedy_loop(sched, eng, p, 12) for p in prompts]
+        for (ws, out, fut), w in zip(runs, want):
+            stats = fut.result(timeout=60)
+            assert out.cells() == w
+            assert stats.rounds == 12 and stats.drafted == 0
+            assert ws.frozen == len(prompts[runs.index((ws, out, fut))]) + 11
+    finally:
+        sched.close()
+
+
+def test_round_limit_and_no_page_leak(tiny):
+    eng, _ = tiny
+    sched = Scheduler(eng)
+    free = eng.pool.free_pages
+    try:
+        for _ in range(3):
+            ws, out, fut = start_greedy_loop(sched, eng, [3, 4, 5], limit=10_000, rounds=20)
+            assert fut.result(timeout=60).rounds == 20 and len(out.cells()) == 20
+            eng.release(ws)
+        assert eng.pool.free_pages == free
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("keep", [0, 2, 4])
+def test_fold_from_the_epilogue_keeps_0_some_all(tiny, keep):
+    eng, ref = tiny
+    sched = Scheduler(eng)
+    try:
+        ws = eng.new_working_set()
+        eng.forward([Pass(ws, [3, 4, 5], [0])])
+        p = trace.Program(window=4, readout=4)
+        p.channel("window", "i64", 4)
+        p.fold(p.minimum(p.const(keep), p.window().size()))
+        win = Chan(4, [10, 11, 12, 13])
+        loop = DeviceLoop(ws, compile_program(p.to_json()), {"window": win}, win, max_window=4, rounds=1)
+        stats = sched.start_loop(loop).result(timeout=60)
+        assert ws.frozen == 3 + keep and ws.tokens == [3, 4, 5] + [10, 11, 12, 13][:keep]
+        assert stats.accepted == max(keep - 1, 0) and stats.drafted == 3
+        (o,) = eng.forward([Pass(ws, [20], [0])])
+        with torch.inference_mode():  # the scratch rows past the fold are never attended
+            expect = ref(torch.tensor([ws.tokens])).logits[0, -1]
+        assert torch.allclose(o.logits[0], expect, atol=1e-4)
+    finally:
+        sched.close()
