@@ -22,7 +22,8 @@ class BatchMeta:
 
     kv: torch.Tensor  # [layers, 2, slots, kv_heads, head_dim]: the whole pool
     slot_mapping: torch.Tensor  # [T] pool slot of each new row
-    ctx_slots: torch.Tensor  # [B, Lmax] pool slots of each pass's context (padded)
+    ctx_slots: torch.Tensor | None  # [B, Lmax] pool slots of each pass's context (padded)
+    ctx_range: tuple[int, int] | None  # one pass whose context is one run of slots: a view, no gather
     q_index: torch.Tensor | None  # [B, Wmax] flat row of each padded query; None when B == 1
     q_valid: torch.Tensor | None  # [B*Wmax] which padded queries are real rows
     mask: torch.Tensor | None  # [B, 1, Wmax, Lmax] bool; None for a single one-row pass
@@ -35,10 +36,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     # query/key/value: [1, heads, T, head_dim] over the flattened batch.
     pool_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     pool_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    shape = (*meta.ctx_slots.shape, *pool_k.shape[1:])  # [B, L, kv_heads, D]
-    flat = meta.ctx_slots.view(-1)
-    k = pool_k.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
-    v = pool_v.index_select(0, flat).view(shape).transpose(1, 2)
+    if meta.ctx_range is not None:
+        a, b = meta.ctx_range
+        k = pool_k[a:b].unsqueeze(0).transpose(1, 2)  # [1, kv_heads, L, D]
+        v = pool_v[a:b].unsqueeze(0).transpose(1, 2)
+    else:
+        shape = (*meta.ctx_slots.shape, *pool_k.shape[1:])  # [B, L, kv_heads, D]
+        flat = meta.ctx_slots.view(-1)
+        k = pool_k.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
+        v = pool_v.index_select(0, flat).view(shape).transpose(1, 2)
     if meta.q_index is None:
         q = query
     else:

@@ -250,7 +250,12 @@ class Engine:
         input_ids = (torch.cat(tok) if len(tok) > 1 else tok[0]).to(dev)
         lmax = max(len(c) for c in ctx)
         wmax = max(ps.window for ps in passes)
-        ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
+        ctx_t = ctx_range = None
+        pages = passes[0].ws.pages
+        if len(ctx) == 1 and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+            ctx_range = (ctx[0][0], ctx[0][-1] + 1)  # pages allocated in order: the usual single-sequence case
+        else:
+            ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
         mask = q_index = q_valid = None
         if len(passes) > 1 or wmax > 1:
             frozen = torch.tensor([ps.ws.frozen for ps in passes], device=dev)
@@ -266,7 +271,7 @@ class Engine:
                 valid = qi[None, :] < wlen[:, None]
                 q_index = torch.where(valid, starts[:, None] + qi[None, :], 0)
                 q_valid = valid.flatten()
-        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), ctx_t, q_index, q_valid, mask)
+        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), ctx_t, ctx_range, q_index, q_valid, mask)
         return Batch(passes, firsts, input_ids, torch.tensor(pos, device=dev), meta,
                      torch.tensor(readout, device=dev, dtype=torch.long), splits)
 

@@ -1,0 +1,165 @@
+"""Speculative decoding against HF `generate`, side by side in one process run.
+
+    python -m bench.spec [--prompts N] [--categories a,b] [--new-tokens 128] [--dtype auto]
+
+Contenders, on the same model, dtype and prompts (dev prompts in the chat template):
+HF generate greedy, HF generate(prompt_lookup_num_tokens=10), and the inferlets
+text-completion, cacheback-speculative-decoding and the example guest-side drafter,
+each greedy through WebAssembly. Writes JSON, a markdown table and one PNG chart per
+figure to results/, and prints the table. All contenders' tokens are checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from host import store
+
+from .common import RESULTS, chat_ids, geomean, load_prompts, machine, table, write
+
+INFERLETS = {
+    "text-completion": [],
+    "cacheback-speculative-decoding": [],
+    "ngram-drafter": [],  # the "write your own drafter" example: guest-side drafting, one guest call per round
+}
+
+
+@torch.inference_mode()
+def hf_run(model, tokenizer, ids: list[int], n: int, **kw) -> tuple[list[int], float]:
+    x = torch.tensor([ids], device=model.device)
+    t0 = time.perf_counter()
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                         pad_token_id=tokenizer.eos_token_id, **kw)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompts", type=int, default=None, help="first N dev prompts (default: all 46)")
+    ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--inferlets", default=",".join(INFERLETS), help="comma-separated inferlets to run")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from host.runtime.cli import resolve_inferlet
+    from host.runtime.runtime import Runtime
+
+    engine = store.open_engine(args.model, device="auto", dtype=args.dtype, kv_pages=1024)
+    hf = AutoModelForCausalLM.from_pretrained(store.read_record(engine.info.name).path,
+                                              dtype=engine.dtype).to(engine.device).eval()
+    tok = engine.tokenizer
+    rows = load_prompts(args.prompts)
+    if args.categories:
+        keep = set(args.categories.split(","))
+        rows = [r for r in rows if r["category"] in keep]
+    names = [n for n in args.inferlets.split(",") if n]
+    wasm = {n: resolve_inferlet(n) for n in names}
+    n = args.new_tokens
+    contenders = ["hf-greedy", "hf-prompt-lookup", *names]
+    per_prompt = []
+    with Runtime(engine) as rt:
+        for name in names:  # warm-up: compile/cache each component, touch the model
+            rt.run(wasm[name], ["--prompt", "Hello", "--chat", "--max-tokens", "4"], name=name)
+        hf_run(hf, tok, chat_ids(tok, "Hello"), 4)
+        for i, r in enumerate(rows):
+            ids = chat_ids(tok, r["prompt"])
+            rec = {"id": r["id"], "category": r["category"], "prompt_tokens": len(ids)}
+            ref, t = hf_run(hf, tok, ids, n)
+            rec["hf-greedy"] = {"tokens": len(ref), "wall_s": t, "tps": len(ref) / t, "accepted_per_pass": 1.0}
+            pl, t = hf_run(hf, tok, ids, n, prompt_lookup_num_tokens=10)
+            rec["hf-prompt-lookup"] = {"tokens": len(pl), "wall_s": t, "tps": len(pl) / t, "same": pl == ref}
+            for name in names:
+                res = rt.run(wasm[name], ["--prompt", r["prompt"], "--chat", "--max-tokens", str(n)], name=name)
+                if not res.ok:
+                    raise SystemExit(f"{name} failed on prompt {r['id']}: {res.error}")
+                s = res.stats
+                rec[name] = {"tokens": len(res.token_ids), "wall_s": s["wall_s"], "tps": len(res.token_ids) / s["wall_s"],
+                             "accepted_per_pass": s["mean_accepted_per_pass"], "passes": s["passes"],
+                             "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"],
+                             "guest_calls": s["guest_calls"], "same": res.token_ids == ref}
+            per_prompt.append(rec)
+            line = "  ".join(f"{c}={rec[c]['tps']:.1f}" for c in contenders)
+            print(f"[{i + 1}/{len(rows)}] prompt {r['id']} ({r['category']}): {line} tok/s", flush=True)
+
+    cats = sorted({r["category"] for r in per_prompt})
+    summary = {}
+    for c in contenders:
+        entry = {"speedup_geomean": geomean([r[c]["tps"] / r["hf-greedy"]["tps"] for r in per_prompt]),
+                 "tps_median": statistics.median(r[c]["tps"] for r in per_prompt), "by_category": {}}
+        for cat in cats:
+            rs = [r for r in per_prompt if r["category"] == cat]
+            entry["by_category"][cat] = {
+                "tps_median": statistics.median(r[c]["tps"] for r in rs),
+                "speedup_geomean": geomean([r[c]["tps"] / r["hf-greedy"]["tps"] for r in rs]),
+                "accepted_per_pass": statistics.mean(r[c].get("accepted_per_pass", float("nan")) for r in rs),
+            }
+        summary[c] = entry
+    same = {c: all(r[c].get("same", True) for r in per_prompt) for c in contenders}
+    if "cacheback-speculative-decoding" in names and "text-completion" in names:
+        worst = min(r["cacheback-speculative-decoding"]["tps"] / r["text-completion"]["tps"] for r in per_prompt)
+        summary["cacheback_vs_text_completion_min"] = worst
+    result = {"benchmark": "spec", "model": engine.info.name, "dtype": engine.info.dtype, "device": engine.info.device,
+              "new_tokens": n, "prompts": [r["id"] for r in per_prompt], "machine": machine(),
+              "identical_to_hf_greedy": same, "summary": summary, "per_prompt": per_prompt}
+
+    headers = ["category"] + [f"{c} tok/s" for c in contenders] + [f"{c} speedup" for c in contenders[1:]] \
+        + [f"{c} acc/pass" for c in names]
+    trows = []
+    for cat in cats + ["ALL"]:
+        row = [cat]
+        for c in contenders:
+            row.append(summary[c]["tps_median"] if cat == "ALL" else summary[c]["by_category"][cat]["tps_median"])
+        for c in contenders[1:]:
+            row.append(summary[c]["speedup_geomean"] if cat == "ALL" else summary[c]["by_category"][cat]["speedup_geomean"])
+        for c in names:
+            row.append(statistics.mean(r[c]["accepted_per_pass"] for r in per_prompt) if cat == "ALL"
+                       else summary[c]["by_category"][cat]["accepted_per_pass"])
+        trows.append(row)
+    md = (f"Speculative decoding, {engine.info.name} {engine.info.dtype} on {engine.info.device}; "
+          f"{len(per_prompt)} dev prompts {result['prompts']}; chat template; {n} new tokens; greedy.\n"
+          f"tok/s: median; speedup: geometric mean of per-prompt tok/s over HF greedy; acc/pass: mean "
+          f"committed tokens per target pass. Identical tokens to HF greedy: {same}\n\n" + table(headers, trows))
+    if "cacheback_vs_text_completion_min" in summary:
+        md += f"\n\ncacheback / text-completion, worst prompt: {summary['cacheback_vs_text_completion_min']:.2f}x"
+    path = write("spec", result, md)
+    chart(per_prompt, contenders, names, cats)
+    print(md)
+    print(f"\nwrote {path} and results/spec-*.png")
+    return result
+
+
+def chart(per_prompt, contenders, names, cats) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = {
+        "tokens-per-s": (contenders, lambda r, c: r[c]["tps"], "tokens/s (median)", statistics.median),
+        "speedup": (contenders[1:], lambda r, c: r[c]["tps"] / r["hf-greedy"]["tps"], "speedup over HF greedy (geomean)", geomean),
+        "accepted-per-pass": (names, lambda r, c: r[c]["accepted_per_pass"], "tokens committed per target pass (mean)", statistics.mean),
+    }
+    for fname, (cs, get, label, agg) in figures.items():
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        width = 0.8 / max(len(cs), 1)
+        for j, c in enumerate(cs):
+            vals = [agg([get(r, c) for r in per_prompt if r["category"] == cat]) for cat in cats]
+            ax.bar([i + j * width for i in range(len(cats))], vals, width, label=c)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(RESULTS / f"spec-{fname}.png", dpi=100)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
