@@ -55,6 +55,11 @@ class Program:
             if k in b and b[k] != v:
                 raise ProgramError(f"epilogue declares {k}={v} but the pass has {k}={b[k]}")
             b[k] = v
+        for k, v in self.checked.alias.items():
+            if k in b and v in b and b[k] != b[v]:
+                raise ProgramError(f"epilogue declares {k}={v} but the pass has {k}={b[k]} and {v}={b[v]}")
+            if k in b or v in b:
+                b[k] = b[v] = b.get(k, b.get(v))
         return b
 
     def _check_env(self, env: Env, bind: dict[str, int]) -> None:

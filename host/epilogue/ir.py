@@ -124,6 +124,8 @@ OPS: dict[str, tuple[tuple[int, ...], int]] = {
     "ngram_lookup": ((1, 2), 2),
     "verify_greedy": ((2,), 3),
     "verify_sample": ((2, 3), 3),
+    "lru_lookup": ((3,), 2),
+    "lru_update": ((5,), 2),
     "put": ((1, 2), 0),
     "set": ((1, 2), 0),
     "fold": ((1,), 0),

@@ -234,6 +234,10 @@ def run_op(ctx: Ctx, op: Op, a: list[torch.Tensor]) -> list[torch.Tensor]:
         u_race = ctx.uniforms(Op(op.index, op.name, op.args, {"seed": op.attrs.get("seed", 0) ^ 0x5EED}, op.outs),
                               [k + 1, V])
         return verify_sample(drafts, p, q, u_accept, u_race)
+    if name == "lru_lookup":
+        return lru_lookup(a[0], a[1], a[2], at["g"], at["k"])
+    if name == "lru_update":
+        return lru_update(a[0], a[1], a[2], a[3], a[4], at["g"], at["k"])
     raise NotImplementedError(name)  # effects are handled by the executor
 
 
@@ -296,6 +300,53 @@ def verify_sample(drafts, p, q, u_accept, u_race):
     samples = _exp_race(dist, u_race)  # [B, k+1]
     s = samples.gather(1, n.unsqueeze(1))
     j = torch.arange(k + 1, device=p.device).unsqueeze(0)
-    dpad = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
+    dpad = torch.cat([drafts, torch.full((B, 1), -1, dtype=drafts.dtype, device=drafts.device)], dim=1)  # k may be 0
     toks = torch.where(j < n.unsqueeze(1), dpad, torch.where(j == n.unsqueeze(1), s, torch.full_like(dpad, -1)))
     return [n, toks, n + 1]
+
+
+def lru_lookup(table: torch.Tensor, stamps: torch.Tensor, key: torch.Tensor, g: int, k: int):
+    """table [B, S*(g+k)], stamps [B, S], key [B, g] -> followers [B, k] (-1 padded), count [B].
+    The live entry whose leader equals key (the most recent one if several); none: count 0."""
+    B, S = stamps.shape
+    rows = table.view(B, S, g + k)
+    match = (stamps >= 0) & (rows[..., :g] == key.unsqueeze(1)).all(-1) & (key >= 0).all(-1, keepdim=True)
+    best = torch.where(match, stamps, torch.full_like(stamps, -1)).argmax(-1)
+    fol = rows[..., g:].gather(1, best.view(B, 1, 1).expand(B, 1, k)).squeeze(1)
+    ok = (fol >= 0).to(torch.int64).cumprod(-1).bool() & match.any(-1, keepdim=True)
+    return [torch.where(ok, fol, torch.full_like(fol, -1)), ok.sum(-1)]
+
+
+def lru_update(table: torch.Tensor, stamps: torch.Tensor, seq: torch.Tensor, length: torch.Tensor,
+               leaders: torch.Tensor, g: int, k: int):
+    """Insert or refresh, in order, the leaders seq[i : i+g] for i < leaders that have a follower,
+    with followers seq[i+g : min(i+g+k, length)]. A refresh overwrites the
+    entry's followers; an insert takes an empty slot or evicts the least recently used entry.
+    Each write stamps the entry max(stamps)+1. Leaders with a negative token (padding) are
+    skipped and followers stop at the first negative token. Sequential over the static
+    positions of seq (evictions depend on earlier inserts), vectorised over B and S."""
+    B, S = stamps.shape
+    n = seq.shape[1]
+    dev = seq.device
+    rows, st = table.view(B, S, g + k).clone(), stamps.clone()
+    if n < g + 1:
+        return [rows.reshape(B, -1), st]
+    L = length.clamp(0, n).unsqueeze(1)
+    padded = torch.cat([seq, torch.full((B, k), -1, dtype=seq.dtype, device=dev)], 1)
+    ends = torch.arange(g - 1, n - 1, device=dev)  # leader end positions with room for a follower
+    leads = padded.unfold(1, g, 1)[:, ends - g + 1]  # [B, E, g]
+    pos = ends.view(-1, 1) + 1 + torch.arange(k, device=dev)  # [E, k]
+    fols = padded[:, pos]  # [B, E, k]
+    ok = ((fols >= 0) & (pos < L.unsqueeze(1))).to(torch.int64).cumprod(-1).bool()
+    fols = torch.where(ok, fols, torch.full_like(fols, -1))
+    active = ok[..., 0] & (leads >= 0).all(-1) & (ends - g + 1 < leaders.unsqueeze(1))  # [B, E]
+    entries = torch.cat([leads, fols], -1)  # [B, E, g+k]
+    slots = torch.arange(S, device=dev).unsqueeze(0)
+    for j in range(ends.shape[0]):
+        lead = leads[:, j]
+        match = (st >= 0) & (rows[..., :g] == lead.unsqueeze(1)).all(-1)
+        slot = torch.where(match.any(-1), match.to(torch.int64).argmax(-1), st.argmin(-1))
+        hit = (slots == slot.unsqueeze(1)) & active[:, j : j + 1]  # [B, S]
+        rows = torch.where(hit.unsqueeze(-1), entries[:, j].unsqueeze(1), rows)
+        st = torch.where(hit, st.amax(-1, keepdim=True) + 1, st)
+    return [rows.reshape(B, -1), st]

@@ -52,7 +52,8 @@ class Input:
 
 @dataclass
 class Checked:
-    dims: dict[str, int]
+    dims: dict[str, int]  # symbols fixed to ints
+    alias: dict[str, str]  # symbols declared equal to another symbol (e.g. R == W); bound per pass
     channels: dict[str, Channel]
     inputs: list[Input]
     values: list[Value]
@@ -63,8 +64,36 @@ def _fail(where: str, msg: str):
     raise ProgramError(f"{where}: {msg}")
 
 
-def _subst(d: Dim, dims: dict[str, int]) -> Dim:
-    return Dim.of(dims[d.sym] + d.off) if d.sym in dims else d
+def _subst(d: Dim, dims: dict[str, int | str]) -> Dim:
+    """Replace a fixed symbol by its int, an aliased symbol by its target (e.g. R -> W)."""
+    if d.sym not in dims:
+        return d
+    v = dims[d.sym]
+    return Dim(v, d.off) if isinstance(v, str) else Dim.of(v + d.off)
+
+
+def _parse_dims(raw: dict) -> tuple[dict[str, int], dict[str, str]]:
+    """'dims' maps a symbol to a positive int, or to another symbol it always equals
+    ({"R": "W"}: readout on every row, with a window that changes size per round)."""
+    fixed: dict[str, int] = {}
+    alias: dict[str, str] = {}
+    for k, v in raw.items():
+        if k not in SYMBOLS:
+            _fail("dims", f"'{k}' is not a symbol in {SYMBOLS}")
+        if isinstance(v, str):
+            if v not in SYMBOLS or v == k:
+                _fail("dims", f"'{k}': {v!r} must be another symbol in {SYMBOLS}")
+            alias[k] = v
+        elif isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CHANNEL_CAPACITY:
+            _fail("dims", f"'{k}': {v!r} must be a positive int or another symbol in {SYMBOLS}")
+        else:
+            fixed[k] = v
+    for k, v in alias.items():
+        if v in alias:
+            _fail("dims", f"'{k}' aliases '{v}', which is itself an alias; name the final symbol")
+        if v in fixed and k in fixed and fixed[k] != fixed[v]:
+            _fail("dims", f"'{k}' = '{v}' but they are fixed to different ints")
+    return fixed, alias
 
 
 def _int_attr(where, attrs, key, default=None, lo=None, hi=None):
@@ -157,11 +186,9 @@ def _shape_attr(where, attrs, dims):
 
 
 def check(obj: dict) -> Checked:
-    dims: dict[str, int] = {}
-    for k, v in obj["dims"].items():
-        if k not in SYMBOLS or isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CHANNEL_CAPACITY:
-            _fail("dims", f"'{k}': {v!r} must be a symbol in {SYMBOLS} bound to a positive int")
-        dims[k] = v
+    fixed, alias = _parse_dims(obj["dims"])
+    # What shapes are written in: an alias of a fixed symbol is that int, else its target symbol.
+    dims: dict[str, int | str] = {**fixed, **{k: fixed.get(v, v) for k, v in alias.items()}}
 
     channels: dict[str, Channel] = {}
     for i, c in enumerate(obj["channels"]):
@@ -230,7 +257,7 @@ def check(obj: dict) -> Checked:
         outs = list(range(len(values), len(values) + nres))
         values.extend(res)
         ops.append(Op(i, name, list(args), dict(attrs), outs))
-    return Checked(dims, channels, inputs, values, ops)
+    return Checked(fixed, alias, channels, inputs, values, ops)
 
 
 def _infer(where, name, av: list[Value], attrs, dims, channel_of) -> list[Value]:
@@ -476,6 +503,9 @@ def _infer(where, name, av: list[Value], attrs, dims, channel_of) -> list[Value]
         del hi
         return [Value("i64", (Dim.of(k),), seq.ub), Value("i64", (), [Dim.of(k)])]
 
+    if name in ("lru_lookup", "lru_update"):
+        return _infer_lru(where, name, av, attrs, need, rank)
+
     if name in ("verify_greedy", "verify_sample"):
         drafts = av[0]
         need(drafts, "i64"), rank(drafts, 1)
@@ -527,6 +557,32 @@ def _infer(where, name, av: list[Value], attrs, dims, channel_of) -> list[Value]
         return []
 
     _fail(where, "op has no type rule")  # unreachable: every op in OPS has a rule
+
+
+def _infer_lru(where, name, av: list[Value], attrs, need, rank) -> list[Value]:
+    """The LRU n-gram table: `table` i64 [S*(g+k)] (row s = leader[g] then followers[k],
+    padded with -1) and `stamps` i64 [S] (last-used order, -1 = empty slot)."""
+    table, stamps = av[0], av[1]
+    g = _int_attr(where, attrs, "g", None, 1, 64)
+    k = _int_attr(where, attrs, "k", None, 1, 1024)
+    for v in av:
+        need(v, "i64")
+    rank(table, 1), rank(stamps, 1)
+    S, T = stamps.shape[0], table.shape[0]
+    if not (S.known and T.known) or T.off != S.off * (g + k):
+        _fail(where, f"shape mismatch: table {table} must be [S*(g+k)] = [{S}*{g + k}] for stamps {stamps}")
+    if name == "lru_lookup":
+        key = av[2]
+        rank(key, 1)
+        if key.shape[0] != Dim.of(g):
+            _fail(where, f"shape mismatch: key {key} must be [{g}] (attr g)")
+        return [Value("i64", (Dim.of(k),), table.ub), Value("i64", (), [Dim.of(k)])]
+    seq, length, leaders = av[2], av[3], av[4]
+    rank(seq, 1), rank(length, 0), rank(leaders, 0)
+    n = seq.shape[0]
+    if not n.known or n.off > 4096:
+        _fail(where, f"seq {seq} must have a static length <= 4096 (the update visits each position in turn)")
+    return [Value("i64", table.shape), Value("i64", stamps.shape)]
 
 
 def _fill(where, attrs, dtype):

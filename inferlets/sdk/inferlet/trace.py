@@ -12,6 +12,9 @@ result (see wit/epilogue-ir.md); checks here only catch mistakes early.
     p.fold(p.const(1))
     p.stop_if((tok[-1] == eos) | (p.round() >= limit))
     text = p.to_json()
+
+A window that changes size per round, with readout on every row: Program(readout="window")
+declares R == W, so verify_greedy(p.window()[1:], p.logits().argmax()) type-checks.
 """
 
 import json
@@ -114,15 +117,26 @@ class Value:
     def top_p(self, p): return self.prog._op("top_p", [self], {"p": float(p)}, "f32")
 
 
+_DIM_NAMES = {"window": "W", "readout": "R", "vocab": "V", "hidden": "H", "history": "N", "draft_depth": "K"}
+
+
 class Program:
-    """An epilogue being traced. dims fix symbolic sizes (window=W, readout=R, vocab=V)."""
+    """An epilogue being traced. dims fix symbolic sizes (window=W, readout=R, vocab=V) to
+    ints, or declare one equal to another by name: Program(readout="window") is readout on
+    every row of a window whose size the host binds per round (R == W)."""
 
     def __init__(self, window=None, readout=None, vocab=None, hidden=None, history=None, draft_depth=None):
         self._dims = {}
-        for sym, v in (("W", window), ("R", readout), ("V", vocab), ("H", hidden), ("N", history),
-                       ("K", draft_depth)):
-            if v is not None:
-                self._dims[sym] = int(v)
+        for name, v in (("window", window), ("readout", readout), ("vocab", vocab), ("hidden", hidden),
+                        ("history", history), ("draft_depth", draft_depth)):
+            if v is None:
+                continue
+            if isinstance(v, str):
+                if v not in _DIM_NAMES or v == name:
+                    raise TraceError("%s=%r: name another dim (%s)" % (name, v, ", ".join(sorted(_DIM_NAMES))))
+                self._dims[_DIM_NAMES[name]] = _DIM_NAMES[v]
+            else:
+                self._dims[_DIM_NAMES[name]] = int(v)
         self._channels = {}
         self._inputs = []
         self._input_ids = {}
@@ -323,6 +337,16 @@ class Program:
         """Rejection sampling (Leviathan et al.) -> (accepted, tokens [k+1], count)."""
         args = [drafts, p] if q is None else [drafts, p, q]
         return self._op("verify_sample", args, {"seed": seed}, ["i64", "i64", "i64"], 3)
+
+    def lru_lookup(self, table, stamps, key, g, k):
+        """The LRU n-gram table's followers of leader key [g] -> (followers [k] padded with -1, count)."""
+        return self._op("lru_lookup", [table, stamps, key], {"g": g, "k": k}, ["i64", "i64"], 2)
+
+    def lru_update(self, table, stamps, seq, length, leaders, g, k):
+        """Insert/refresh the leaders seq[i:i+g], i < leaders, with their followers in
+        seq[:length] -> (table', stamps')."""
+        args = [table, stamps, seq, self._lift(length, "i64"), self._lift(leaders, "i64")]
+        return self._op("lru_update", args, {"g": g, "k": k}, ["i64", "i64"], 2)
 
     # --- effects -----------------------------------------------------------
     def put(self, name, values, count=None):

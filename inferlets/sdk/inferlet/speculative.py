@@ -1,0 +1,289 @@
+"""Speculative decoding for inferlets: the Cacheback device program, and the rejection rule.
+
+Pure Python (runs inside the Wasm component): only json and the epilogue tracer.
+
+`cacheback_program` traces the whole speculative round into one epilogue, so the host
+fires the pass round after round with no guest call: verify the window [t0, d1..dk]
+against the target (greedy, or Leviathan rejection sampling), append the committed
+tokens to "out" (cut after the first EOS and at max_tokens), fold 1 + accepted rows,
+then draft the next window by prompt lookup over the last `lookup_window` tokens,
+falling back to an LRU n-gram table that holds what fell out of that window.
+
+`verify` is the same rejection rule for guest-side drafters that carry probabilities.
+"""
+
+import json
+
+try:
+    from . import trace as _trace_mod
+except ImportError:  # loaded by file path (tests in plain CPython): no parent package
+    _trace_mod = None
+
+
+def _tracer(tracer):
+    if tracer is not None:
+        return tracer
+    if _trace_mod is not None:
+        return _trace_mod
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace.py")
+    spec = importlib.util.spec_from_file_location("inferlet_trace_for_speculative", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --- plain-Python references of the device ops (initial channel contents; tests) -----
+
+def ngram_lookup(seq, k, ngram_min=1, ngram_max=3):
+    """Same rule as the IR's ngram_lookup: tokens that followed the most recent earlier
+    occurrence of the longest matching suffix (ngram_max down to ngram_min)."""
+    n = len(seq)
+    for g in range(min(ngram_max, n - 1), ngram_min - 1, -1):
+        suffix = seq[n - g:]
+        for i in range(n - g - 1, -1, -1):
+            if seq[i:i + g] == suffix:
+                return list(seq[i + g:min(i + g + k, n)])
+    return []
+
+
+def lru_lookup(table, stamps, key, g, k):
+    """The IR's lru_lookup on flat lists: the followers of the live entry whose leader is key."""
+    best = -1
+    if min(key, default=0) >= 0:
+        for s, st in enumerate(stamps):
+            if st >= 0 and table[s * (g + k):s * (g + k) + g] == list(key) and (best < 0 or st > stamps[best]):
+                best = s
+    if best < 0:
+        return []
+    out = []
+    for x in table[best * (g + k) + g:(best + 1) * (g + k)]:
+        if x < 0:
+            break
+        out.append(x)
+    return out
+
+
+def lru_update(table, stamps, seq, length, leaders, g, k):
+    """The IR's lru_update on flat lists; returns new (table, stamps)."""
+    table, stamps = list(table), list(stamps)
+    length = max(0, min(length, len(seq)))
+    for i in range(max(0, min(leaders, len(seq) - g))):
+        lead = list(seq[i:i + g])
+        fol = []
+        for x in seq[i + g:min(i + g + k, length)]:
+            if x < 0:
+                break
+            fol.append(x)
+        if not fol or min(lead) < 0:
+            continue
+        slot = next((s for s, st in enumerate(stamps)
+                     if st >= 0 and table[s * (g + k):s * (g + k) + g] == lead), None)
+        if slot is None:
+            slot = min(range(len(stamps)), key=lambda s: (stamps[s], s))
+        table[slot * (g + k):(slot + 1) * (g + k)] = lead + fol + [-1] * (k - len(fol))
+        stamps[slot] = max(stamps) + 1
+    return table, stamps
+
+
+# --- the device program ------------------------------------------------------------
+
+def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
+                      temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
+                      draft_len_init=None, probe_after=8, verify=None, tracer=None):
+    """Trace the Cacheback speculative-decoding epilogue.
+
+    The guest commits prompt[:-1] to the working set first, then loops a pass whose
+    window comes from channel "window" with readout on every row and the fold from the
+    program. Returns (json_text, channels): channels is a list of dicts {name, dtype,
+    capacity, init} for the host to create ("out", "window", and the program's state).
+
+    temperature <= 0 is greedy. verify(p, drafts, probs, seed) -> (accepted, tokens, count)
+    replaces the rejection rule (default p.verify_sample) for sampled runs.
+    """
+    t = _tracer(tracer)
+    K, g, Lw, S = int(draft_len_max), int(lru_ngram), int(lookup_window), int(lru_size)
+    prompt = [int(x) for x in prompt]
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    if K < 0 or max_tokens < 1 or not 1 <= ngram_min <= ngram_max or S < 0 or g < 1 or probe_after < 1:
+        raise ValueError("need draft_len_max >= 0, max_tokens >= 1, 1 <= ngram_min <= ngram_max, "
+                         "lru_size >= 0, lru_ngram >= 1, probe_after >= 1")
+    if K and Lw < 2 * K + g:
+        raise ValueError("lookup_window must be >= 2*draft_len_max + lru_ngram (the LRU update reads "
+                         "followers of the leaders leaving the window from the history)")
+    if not 0 < top_p <= 1:
+        raise ValueError("top_p must be in (0, 1]")
+    k_init = K if draft_len_init is None else max(0, min(int(draft_len_init), K))
+    use_lru = K > 0 and S > 0
+
+    p = t.Program(readout="window")
+    p.channel("out", "i64", max_tokens)
+    p.channel("window", "i64", K + 1)
+    logits, win = p.logits(), p.window()
+    drafts = win[1:]
+
+    # Verify: n accepted drafts, vt = the committed tokens (accepted drafts, then the target's).
+    if temperature <= 0:
+        n, vt, cnt = p.verify_greedy(drafts, logits.argmax())
+    else:
+        x = logits if temperature == 1.0 else logits / float(temperature)
+        if top_p < 1.0:
+            x = x.top_p(top_p)
+        rule = verify or (lambda prog, d, probs, s: prog.verify_sample(d, probs, seed=s))
+        n, vt, cnt = rule(p, drafts, x.softmax(), seed)
+
+    # Output: cut after the first EOS and at max_tokens in total.
+    out_len = p.length("out")
+    room = p.maximum(max_tokens - out_len, 0)
+    j = p.arange("W")
+    hit = j < 0  # all false, [W]
+    for e in eos_ids:
+        hit = hit | (vt == int(e))
+    hit = hit & (j < cnt)
+    any_eos = hit.any()
+    emit = p.minimum(p.where(any_eos, hit.cast("i64").argmax() + 1, cnt), room)
+    p.put("out", vt, emit)
+    # t0 plus the accepted drafts, fewer when the output was cut (the rows before the last emitted token).
+    fold = p.minimum(n + 1, p.maximum(emit, 1))
+    p.fold(fold)
+    p.stop_if(any_eos | (out_len + emit >= max_tokens))
+
+    t0 = p.dyn_slice(vt, n, 1, size=1)  # the target's token: next round's t0
+    state = None
+    if K == 0:
+        p.set("window", t0)
+    else:
+        cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru)
+        state = _adapt(p, drafts.size(), n, K, probe_after)
+        k_next = p.minimum(p.minimum(cand_n, state), p.maximum(max_tokens - out_len - emit - 1, 0))
+        p.set("window", p.concat(t0, cand), k_next + 1)
+
+    return p.to_json(), _channels(prompt, K, g, Lw, S, k_init, ngram_min, ngram_max, max_tokens, use_lru)
+
+
+def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
+    """Next drafts: prompt lookup over the last Lw history tokens + t0 + this round's tokens,
+    else the LRU table; and the table update with the leaders leaving the lookup window."""
+    hist = p.history()
+    N = hist.size()
+    hl = p.minimum(N, Lw)
+    ctx = p.pack(p.dyn_slice(hist, N - hl, hl, size=Lw), hl, p.concat(win[:1], vt), cnt + 1, size=Lw + K + 2)
+    ctx_len = hl + cnt + 1
+    cand, cand_n = p.ngram_lookup(ctx, K, ngram_min, ngram_max, length=ctx_len)
+    if not use_lru:
+        return cand, cand_n
+    p.channel("lru_table", "i64", S * (g + K))
+    p.channel("lru_stamps", "i64", S)
+    table, stamps = p.read("lru_table"), p.read("lru_stamps")
+    lt, ln = p.lru_lookup(table, stamps, p.dyn_slice(ctx, ctx_len - g, g, size=g), g, K)
+    found = cand_n > 0
+    cand, cand_n = p.where(found, cand, lt), p.where(found, cand_n, ln)
+    # History grows by `fold`: the leaders starting at [N-Lw, N-Lw+fold) leave the lookup window.
+    span = fold + (g + K - 1)
+    seq = p.dyn_slice(hist, N - Lw, span, size=K + 1 + g + K - 1)
+    t2, s2 = p.lru_update(table, stamps, seq, span, fold, g, K)
+    p.set("lru_table", t2)
+    p.set("lru_stamps", s2)
+    return cand, cand_n
+
+
+def _adapt(p, d, n, K, probe_after):
+    """Channel "spec_state" = [draft length, rounds spent at 0]. Grow by one when every draft
+    was accepted, shrink by one when fewer than half were; after probe_after rounds at 0,
+    try one draft again. Returns this round's new draft length."""
+    p.channel("spec_state", "i64", 2)
+    st = p.read("spec_state")
+    kcur, idle = st[0], st[1]
+    drafted = d > 0
+    k_after = p.where(drafted & (n == d), p.minimum(kcur + 1, K),
+                      p.where(drafted & (n * 2 < d), p.maximum(kcur - 1, 0), kcur))
+    idle2 = p.where(k_after == 0, idle + 1, 0)
+    probe = idle2 >= probe_after
+    k_next = p.where(probe, 1, k_after)
+    p.set("spec_state", p.where(p.arange(2) == 0, k_next, p.where(probe, 0, idle2)))
+    return k_next
+
+
+def _channels(prompt, K, g, Lw, S, k_init, ngram_min, ngram_max, max_tokens, use_lru):
+    """Channel specs with initial contents: the first window drafts from the prompt too."""
+    hist = prompt[:-1]
+    chans = [{"name": "out", "dtype": "i64", "capacity": max_tokens, "init": []}]
+    drafts = []
+    if K:
+        ctx = hist[-Lw:] + prompt[-1:]
+        drafts = ngram_lookup(ctx, K, ngram_min, ngram_max)
+        if use_lru:
+            table, stamps = lru_update([-1] * (S * (g + K)), [-1] * S, hist, len(hist), len(hist) - Lw, g, K)
+            if not drafts:
+                drafts = lru_lookup(table, stamps, ctx[-g:], g, K)
+            chans += [{"name": "lru_table", "dtype": "i64", "capacity": S * (g + K), "init": table},
+                      {"name": "lru_stamps", "dtype": "i64", "capacity": S, "init": stamps}]
+        chans.append({"name": "spec_state", "dtype": "i64", "capacity": 2, "init": [k_init, 0]})
+    drafts = drafts[:min(k_init, max(max_tokens - 1, 0))]
+    chans.insert(1, {"name": "window", "dtype": "i64", "capacity": K + 1, "init": prompt[-1:] + drafts})
+    return chans
+
+
+def channel_specs_json(channels):
+    """The channel specs as JSON text (e.g. to hand to a host that takes text)."""
+    return json.dumps(channels, sort_keys=True, separators=(",", ":"))
+
+
+# --- the guest-side rejection rule --------------------------------------------------
+
+def _normalise(w):
+    s = float(sum(w))
+    return [x / s for x in w] if s > 0 else list(w)
+
+
+def _categorical(w, rng):
+    """Index i with probability w_i / sum(w); -1 when no weight is positive."""
+    total = float(sum(x for x in w if x > 0))
+    if total <= 0:
+        return -1
+    u = rng.random() * total
+    last = -1
+    for i, x in enumerate(w):
+        if x > 0:
+            last = i
+            u -= x
+            if u < 0:
+                return i
+    return last
+
+
+def verify(drafts, draft_probs, target_probs, rng):
+    """Leviathan et al.'s rejection rule for a guest-side drafter.
+
+    drafts: k token ids; draft_probs: k distributions over the vocabulary the drafts were
+    drawn from (None: deterministic drafts, q one-hot); target_probs: k+1 target
+    distributions (rows need not be normalised); rng: has .random() -> [0, 1).
+    Draft i is accepted with probability min(1, p_i(x)/q_i(x)); at the first rejection the
+    token is drawn from normalise(max(0, p_i - q_i)), or from p_k when all are accepted.
+    Returns the committed tokens: the accepted drafts, then that token (len = accepted + 1).
+    Their distribution is exactly the target's.
+    """
+    if len(target_probs) != len(drafts) + 1 or (draft_probs is not None and len(draft_probs) != len(drafts)):
+        raise ValueError("need len(target_probs) == len(drafts) + 1 == len(draft_probs) + 1")
+    out = []
+    for i, x in enumerate(drafts):
+        p = _normalise(target_probs[i])
+        V = len(p)
+        if draft_probs is None:
+            q = [0.0] * V
+            if 0 <= x < V:
+                q[x] = 1.0
+        else:
+            q = _normalise(draft_probs[i])
+        ok = 0 <= x < V
+        if ok and rng.random() * q[x] < p[x]:
+            out.append(x)
+            continue
+        resid = [max(0.0, a - b) for a, b in zip(p, q)]
+        out.append(_categorical(resid if sum(resid) > 0 else p, rng))
+        return out
+    out.append(_categorical(target_probs[len(drafts)], rng))
+    return out

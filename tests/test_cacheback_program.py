@@ -1,0 +1,320 @@
+"""The Cacheback speculative-decoding device program on the tiny model, driven by the device loop.
+
+Greedy runs must equal plain greedy decoding token for token; sampled runs must have the
+target distribution (chi-square against the exact distribution from the reference model).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from host.engine import Engine, Pass
+from host.engine.loop import DeviceLoop
+from host.engine.scheduler import Scheduler
+from host.epilogue import compile_program
+
+SDK = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"inferlet_{name}_cacheback_test", SDK / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+trace = _load("trace")
+spec = _load("speculative")
+
+REPETITIVE = [5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9]
+PLAIN = [30, 71, 12, 55, 3, 88, 41, 17]
+
+
+class Chan:
+    """The channel protocol the loop needs (as in tests/test_device_loop.py)."""
+
+    def __init__(self, capacity, values=()):
+        self.buf = torch.zeros(capacity, dtype=torch.int64)
+        self.count = len(values)
+        self.buf[: self.count] = torch.tensor(list(values), dtype=torch.int64)
+        self.lock = threading.Condition()
+
+    def notify(self):
+        with self.lock:
+            self.lock.notify_all()
+
+    def cells(self):
+        return self.buf[: self.count].tolist()
+
+
+@pytest.fixture
+def big(tiny):
+    """The tiny model behind an engine with room for many concurrent loops."""
+    eng, ref = tiny
+    return Engine(eng.model, eng.tokenizer, name="tiny-big", kv_pages=16384, page_size=4), ref
+
+
+def start(sched, eng, prompt, seed=0, **kw):
+    text, chans = spec.cacheback_program(prompt=prompt, tracer=trace, **kw)
+    ws = eng.new_working_set()
+    if len(prompt) > 1:
+        eng.forward([Pass(ws, prompt[:-1], [0])])
+    channels = {c["name"]: Chan(c["capacity"], c["init"]) for c in chans}
+    folds = []
+    loop = DeviceLoop(ws, compile_program(text), channels, channels["window"],
+                      max_window=channels["window"].buf.shape[0], rounds=1000, seed=seed,
+                      on_round=lambda lp, w, f: folds.append((w, f)))
+    return loop, channels, folds, sched.start_loop(loop)
+
+
+def run(eng, prompt, **kw):
+    sched = Scheduler(eng)
+    try:
+        loop, channels, folds, fut = start(sched, eng, prompt, **kw)
+        stats = fut.result(timeout=60)
+    finally:
+        sched.close()
+    assert all(0 <= f <= w for w, f in folds)
+    return channels["out"].cells(), stats, folds, loop
+
+
+def plain_greedy(eng, prompt, n):
+    ws = eng.new_working_set()
+    (out,) = eng.forward([Pass(ws, prompt, [len(prompt) - 1])])
+    toks = []
+    for _ in range(n):
+        t = int(out.logits[-1].argmax())
+        toks.append(t)
+        (out,) = eng.forward([Pass(ws, [t], [0])])
+    eng.release(ws)
+    return toks
+
+
+def adapt_ok(folds, K, k_init, probe_after=8):
+    """Replay the adaptive draft length from the (window, fold) log: no window exceeds it."""
+    kcur, idle = k_init, 0
+    for (w, f), (w_next, _) in zip(folds, folds[1:]):
+        d, n = w - 1, f - 1
+        if d and n == d:
+            kcur = min(kcur + 1, K)
+        elif d and 2 * n < d:
+            kcur = max(kcur - 1, 0)
+        idle = idle + 1 if kcur == 0 else 0
+        if idle >= probe_after:
+            kcur, idle = 1, 0
+        if w_next - 1 > kcur:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("prompt,repetitive", [(REPETITIVE, True), (PLAIN, False)])
+def test_greedy_equals_plain_decoding(big, prompt, repetitive):
+    eng, _ = big
+    want = plain_greedy(eng, prompt, 40)
+    got, stats, folds, loop = run(eng, prompt, max_tokens=40, draft_len_max=4, lookup_window=16, lru_size=16)
+    assert got == want
+    assert stats.accepted <= stats.drafted and all(f <= w for w, f in folds)
+    assert loop.ws.frozen == len(prompt) - 1 + len(got)  # the last token is next round's t0, as in plain decoding
+    assert adapt_ok(folds, K=4, k_init=4)
+    if repetitive:
+        assert stats.accepted > 0 and stats.rounds < len(got)
+
+
+def test_lru_fallback_drafts_what_left_the_lookup_window(big):
+    eng, _ = big
+    period = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
+    prompt = period * 2 + period[:3]  # the match lies 12 back: outside a lookup window of 8
+    want = plain_greedy(eng, prompt, 24)
+    kw = dict(max_tokens=24, draft_len_max=3, lookup_window=8, lru_ngram=2)
+    sched = Scheduler(eng)
+    try:
+        loop, chans, folds, fut = start(sched, eng, prompt, lru_size=6, **kw)
+        with_lru = fut.result(timeout=60)
+    finally:
+        sched.close()
+    got0, without, _, _ = run(eng, prompt, lru_size=0, **kw)
+    assert chans["out"].cells() == want and got0 == want
+    assert with_lru.drafted > without.drafted
+    # The device table equals a plain-Python replay: each round, the leaders leaving the window.
+    _, init = spec.cacheback_program(prompt=prompt, tracer=trace, lru_size=6, **kw)
+    table, stamps = (next(c["init"] for c in init if c["name"] == n) for n in ("lru_table", "lru_stamps"))
+    seq, N, Lw, g, K = loop.ws.tokens, len(prompt) - 1, 8, 2, 3
+    for _, f in folds:
+        span = f + g + K - 1
+        part = [seq[i] if i >= 0 else -1 for i in range(N - Lw, N - Lw + span)]
+        table, stamps = spec.lru_update(table, stamps, part, span, f, g, K)
+        N += f
+    assert chans["lru_table"].cells() == table and chans["lru_stamps"].cells() == stamps
+    assert max(stamps) > 6  # entries were inserted and evicted along the way
+
+
+def test_single_token_prompt_and_bad_arguments(big):
+    eng, _ = big
+    got, _, _, _ = run(eng, [17], max_tokens=12, draft_len_max=3, lookup_window=8)
+    assert got == plain_greedy(eng, [17], 12)
+    for bad in (dict(lookup_window=5), dict(max_tokens=0), dict(ngram_min=3, ngram_max=2), dict(top_p=0.0)):
+        with pytest.raises(ValueError):
+            spec.cacheback_program(prompt=[1, 2], tracer=trace, **{"draft_len_max": 3, "lookup_window": 16, **bad})
+    with pytest.raises(ValueError):
+        spec.cacheback_program(prompt=[], tracer=trace)
+
+
+def test_channel_specs_and_first_window(big):
+    text, chans = spec.cacheback_program(prompt=REPETITIVE, tracer=trace, draft_len_max=4, lookup_window=10,
+                                         lru_size=6, lru_ngram=2, max_tokens=50)
+    by = {c["name"]: c for c in chans}
+    assert set(by) == {"out", "window", "lru_table", "lru_stamps", "spec_state"}
+    assert by["window"]["init"] == [9] + spec.ngram_lookup(REPETITIVE[-11:], 4) and by["window"]["capacity"] == 5
+    assert by["lru_table"]["capacity"] == 6 * (2 + 4) == len(by["lru_table"]["init"])
+    # the prompt's leaders left of the lookup window are in the table already
+    assert spec.lru_lookup(by["lru_table"]["init"], by["lru_stamps"]["init"], [5, 9], 2, 4) == [13, 4, 7, 5]
+    assert by["spec_state"]["init"] == [4, 0] and by["out"]["init"] == []
+    assert compile_program(text).checked.alias == {"R": "W"}
+
+
+def test_eos_and_max_tokens_cut_like_plain_decoding(big):
+    eng, _ = big
+    want = plain_greedy(eng, REPETITIVE, 40)
+    eos = want[12]
+    first = want.index(eos)
+    got, _, _, loop = run(eng, REPETITIVE, max_tokens=40, eos_ids=[96, eos], draft_len_max=4, lookup_window=16)
+    assert got == want[:first + 1]
+    assert loop.ws.frozen == len(REPETITIVE) - 1 + len(got)
+    for limit in (1, 7, 13):
+        got, stats, _, _ = run(eng, REPETITIVE, max_tokens=limit, draft_len_max=4, lookup_window=16)
+        assert got == want[:limit]
+
+
+def test_draft_len_zero_is_plain_decoding_one_row_per_round(big):
+    eng, _ = big
+    want = plain_greedy(eng, REPETITIVE, 20)
+    got, stats, folds, _ = run(eng, REPETITIVE, max_tokens=20, draft_len_max=0)
+    assert got == want
+    assert stats.rounds == 20 and stats.drafted == 0 and all(w == 1 and f == 1 for w, f in folds)
+
+
+def test_seeded_sampled_run_repeats(big):
+    eng, _ = big
+    kw = dict(max_tokens=24, draft_len_max=4, lookup_window=16, temperature=0.1, top_p=0.9)
+    a = run(eng, REPETITIVE, seed=7, **kw)[0]
+    b = run(eng, REPETITIVE, seed=7, **kw)[0]
+    others = [run(eng, REPETITIVE, seed=s, **kw)[0] for s in (8, 9)]
+    assert a == b and len(a) == 24
+    assert any(o != a for o in others)
+
+
+# --- the sampled output has the target distribution --------------------------------
+
+# A prompt (a greedy continuation of REPETITIVE) whose lookup drafts [92, 32, 79]: at T=0.05 the
+# target gives them moderate probability, so both acceptances and rejections happen.
+DIST_PROMPT = [9, 13, 4, 7, 5, 9, 79, 63, 71, 55, 88, 33, 86, 32, 79, 63, 21, 79, 63, 21, 79, 63, 21, 79, 63, 85, 65,
+               92, 32, 79, 63, 85, 65]
+T, TOP_P, RUNS = 0.05, 0.95, 600
+
+
+def target_probs(logits):
+    """softmax(logits / T) restricted by top-p (written independently of the device op)."""
+    probs = torch.softmax(logits / T, -1)
+    srt, order = probs.sort(descending=True)
+    keep = (srt.cumsum(-1) - srt) < TOP_P
+    out = torch.zeros_like(probs)
+    out[order[keep]] = srt[keep]
+    return out / out.sum()
+
+
+def exact_pairs(ref, prompt):
+    with torch.inference_mode():
+        p1 = target_probs(ref(torch.tensor([prompt])).logits[0, -1])
+        firsts = p1.nonzero().flatten().tolist()
+        l2 = ref(torch.tensor([prompt + [x] for x in firsts])).logits[:, -1]
+    return {(x, y): float(p1[x] * q) for x, row in zip(firsts, l2) for y, q in enumerate(target_probs(row)) if q > 0}
+
+
+def sample_pairs(eng, verify=None):
+    sched = Scheduler(eng)
+    try:
+        # max_tokens=3 lets the first window carry 2 drafts: both compared tokens go through the rule.
+        runs = [start(sched, eng, DIST_PROMPT, seed=s, max_tokens=3, draft_len_max=3, lookup_window=16,
+                      temperature=T, top_p=TOP_P, verify=verify) for s in range(RUNS)]
+        stats = [fut.result(timeout=120) for _, _, _, fut in runs]
+    finally:
+        sched.close()
+    pairs = [tuple(ch["out"].cells()[:2]) for _, ch, _, _ in runs]
+    for loop, *_ in runs:
+        eng.release(loop.ws)
+    return pairs, stats
+
+
+def chi_square_p(pairs, exact):
+    counts: dict = {}
+    for pr in pairs:
+        counts[pr] = counts.get(pr, 0) + 1
+    n = len(pairs)
+    big_cells = [c for c, q in exact.items() if q * n >= 5]
+    obs = [counts.get(c, 0) for c in big_cells]
+    exp = [exact[c] * n for c in big_cells]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    return chisquare(obs, exp).pvalue
+
+
+def accept_every_draft(p, drafts, probs, seed):
+    """A broken rule on purpose: no p/q test, every draft is kept, the bonus token from p."""
+    d = drafts.size()
+    return d, p.concat(drafts, p.sample_probs(probs, seed)[-1:]), d + 1
+
+
+def test_sampled_output_has_the_target_distribution(big):
+    eng, ref = big
+    exact = exact_pairs(ref, DIST_PROMPT)
+    assert spec.ngram_lookup(DIST_PROMPT, 3) == [92, 32, 79]  # the first window drafts these
+    pairs, stats = sample_pairs(eng)
+    assert all(len(pr) == 2 for pr in pairs)
+    accepted = sum(s.accepted for s in stats)
+    assert 0 < accepted < sum(s.drafted for s in stats)  # the rule both accepted and rejected drafts
+    assert chi_square_p(pairs, exact) > 0.001
+    # The same test catches a rule that skips the p/q test.
+    bad, _ = sample_pairs(eng, verify=accept_every_draft)
+    assert chi_square_p(bad, exact) < 1e-6
+
+
+# --- the guest-side rule ------------------------------------------------------------
+
+def test_guest_verify_is_distributed_as_the_target():
+    rng = random.Random(1)
+    V, k, trials = 5, 2, 20000
+    p_rows = [[0.1, 0.4, 0.2, 0.3, 0.0], [0.25, 0.25, 0.1, 0.1, 0.3], [0.5, 0.1, 0.1, 0.2, 0.1]]
+    q_rows = [[0.4, 0.1, 0.1, 0.1, 0.3], [0.2, 0.2, 0.2, 0.2, 0.2]]
+    first, second = [0] * V, [0] * V
+    for _ in range(trials):
+        drafts = [rng.choices(range(V), q)[0] for q in q_rows]
+        toks = spec.verify(drafts, q_rows, p_rows, rng)
+        assert 1 <= len(toks) <= k + 1 and toks[:-1] == drafts[:len(toks) - 1]
+        first[toks[0]] += 1
+        if len(toks) > 1:
+            second[toks[1]] += 1
+    # p rows do not depend on the context here, so token 0 ~ p0 and token 1 ~ p1.
+    for counts, p in ((first, p_rows[0]), (second, p_rows[1])):
+        n = sum(counts)
+        cells = [i for i in range(V) if p[i] > 0]
+        assert all(counts[i] == 0 for i in range(V) if p[i] == 0)
+        assert chisquare([counts[i] for i in cells], [p[i] * n for i in cells]).pvalue > 0.001
+    # deterministic drafts (q one-hot) and a broken rule that always accepts is caught
+    det = [0] * V
+    for _ in range(trials):
+        det[spec.verify([4], None, p_rows[:2], rng)[0]] += 1
+    assert det[4] == 0  # p0(4) = 0: never accepted
+    assert chisquare([det[i] for i in range(4)], [p_rows[0][i] * trials for i in range(4)]).pvalue > 0.001
+    bad = [0] * V
+    for _ in range(trials):
+        x = rng.choices(range(V), q_rows[0])[0]
+        bad[x] += 1  # "accept every draft" gives q, not p
+    obs = bad[:4]  # p0 has no mass on token 4
+    assert chisquare(obs, [p_rows[0][i] * sum(obs) for i in range(4)]).pvalue < 1e-6
