@@ -1,0 +1,98 @@
+"""Channels: small typed buffers on the model's device, shared by an inferlet, its passes and epilogues.
+
+A channel holds up to `capacity` cells in order. `put` appends, `read` copies without
+consuming, `take` consumes everything. A device loop registers itself as a producer with
+`attach_producer`; while one is attached, `take` on an empty open channel waits for cells.
+Device code appends with `put_tensor` and reads `view()` without a host round trip.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..errors import InvalidArgument
+from .errors import ChannelClosed, ChannelFull
+
+MAX_CAPACITY = 1 << 20
+
+# WIT element-type name -> (torch storage dtype, Python cell type). u32 is stored as int64:
+# token ids index embeddings directly and torch's uint32 supports few ops.
+ELEMENTS = {
+    "uint32": (torch.int64, int),
+    "int32": (torch.int32, int),
+    "float32": (torch.float32, float),
+    "boolean": (torch.bool, bool),
+}
+
+
+class Channel:
+    def __init__(self, element: str, capacity: int, device: torch.device):
+        if element not in ELEMENTS:
+            raise InvalidArgument(f"unknown channel element type {element!r}")
+        if not 0 < capacity <= MAX_CAPACITY:
+            raise InvalidArgument(f"channel capacity {capacity} must be in 1..{MAX_CAPACITY}")
+        self.element = element
+        self.capacity = capacity
+        self.buf = torch.zeros(capacity, dtype=ELEMENTS[element][0], device=device)
+        self.count = 0
+        self.closed = False
+        self.producers = 0
+        self._cv = threading.Condition()
+
+    def _check_values(self, values: list) -> None:
+        if self.element == "uint32" and any(v < 0 or v >= 1 << 32 for v in values):
+            raise InvalidArgument("u32 channel cells must be in 0..2^32-1")
+
+    def put(self, values: list) -> None:
+        self._check_values(values)
+        self.put_tensor(torch.tensor(values, dtype=self.buf.dtype))
+
+    def put_tensor(self, values: torch.Tensor) -> None:
+        """Append a 1-D tensor of cells (host or device)."""
+        n = values.numel()
+        with self._cv:
+            if self.closed:
+                raise ChannelClosed("the channel is closed")
+            if self.count + n > self.capacity:
+                raise ChannelFull(f"{n} cells do not fit: {self.count} of {self.capacity} are in use")
+            self.buf[self.count:self.count + n] = values.to(self.buf.device, self.buf.dtype)
+            self.count += n
+            self._cv.notify_all()
+
+    def read(self, start: int, count: int) -> list:
+        with self._cv:
+            if start < 0 or count < 0 or start + count > self.count:
+                raise InvalidArgument(f"read [{start}, {start + count}) is past the {self.count} cells in the channel")
+            return self.buf[start:start + count].tolist()
+
+    def view(self) -> torch.Tensor:
+        """The cells now in the channel, as a device tensor (no copy)."""
+        return self.buf[:self.count]
+
+    def take(self, timeout: float | None = None) -> list:
+        with self._cv:
+            while self.count == 0 and not self.closed and self.producers > 0:
+                if not self._cv.wait(timeout):
+                    break
+            values = self.buf[:self.count].tolist()
+            self.count = 0
+            return values
+
+    def __len__(self) -> int:
+        return self.count
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+    def attach_producer(self) -> None:
+        with self._cv:
+            self.producers += 1
+
+    def detach_producer(self) -> None:
+        with self._cv:
+            self.producers -= 1
+            self._cv.notify_all()

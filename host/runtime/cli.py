@@ -1,0 +1,88 @@
+"""`pie run NAME_OR_WASM [--model MODEL] [--json] [-- ARGS...]`: run one inferlet in-process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import InvalidArgument
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "build" / "inferlets"
+
+
+def resolve_inferlet(name_or_path: str) -> Path:
+    """A path to a .wasm, or the name of a built inferlet under build/inferlets/."""
+    p = Path(name_or_path)
+    if p.suffix == ".wasm" or p.is_file():
+        if not p.is_file():
+            raise InvalidArgument(f"{name_or_path}: no such file")
+        return p
+    built = BUILD / f"{name_or_path}.wasm"
+    if built.is_file():
+        return built
+    if (ROOT / "inferlets" / name_or_path / "manifest.toml").is_file():
+        raise InvalidArgument(f"inferlet {name_or_path!r} is not built; run `make inferlets`")
+    known = sorted(w.stem for w in BUILD.glob("*.wasm")) if BUILD.is_dir() else []
+    raise InvalidArgument(f"unknown inferlet {name_or_path!r}; built: {', '.join(known) or 'none (run `make inferlets`)'}")
+
+
+def _add_options(p) -> None:
+    p.add_argument("--model", help="store model name (default: smollm2-135m)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object with text, token_ids and stats")
+    p.add_argument("--memory-mb", type=int, default=512, help="guest linear-memory limit (MiB)")
+    p.add_argument("--cpu-time", type=float, default=60.0, help="guest CPU-time limit (seconds)")
+
+
+def add_run_parser(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run one inferlet in-process",
+                              description="Run an inferlet. Arguments after `--` go to the inferlet, e.g. "
+                                          "pie run text-completion --json -- --prompt 'Hi' --chat --max-tokens 32")
+    p.add_argument("inferlet", help="a built inferlet's name, or a path to a .wasm component")
+    _add_options(p)
+    # argparse cannot hand `-- ARGS` to a subcommand intact, so take the rest raw and split it in cmd_run
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="[pie run options] -- the inferlet's arguments")
+    p.set_defaults(func=cmd_run)
+
+
+def _split_rest(args) -> list[str]:
+    """The inferlet's arguments: everything after `--`, plus anything before it that is not pie's.
+
+    argparse swallows a `--` that comes right after the inferlet name when options precede
+    the name, so arguments that are not `pie run` options are passed on rather than refused.
+    """
+    rest = list(args.rest)
+    ours, theirs = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
+    if not ours:
+        return theirs
+    extra = argparse.ArgumentParser(prog="pie run", add_help=False, allow_abbrev=False)
+    _add_options(extra)
+    _, unknown = extra.parse_known_args(ours, namespace=args)
+    return unknown + theirs
+
+
+def cmd_run(args) -> int:
+    from ..store import open_engine
+    from .runtime import Limits, Runtime
+
+    wasm = resolve_inferlet(args.inferlet)
+    inferlet_args = _split_rest(args)
+    engine = open_engine(args.model, device=args.device, dtype=args.dtype)
+    limits = Limits(memory_bytes=args.memory_mb << 20, cpu_time_s=args.cpu_time)
+    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    with Runtime(engine, limits=limits) as rt:
+        result = rt.run(wasm, inferlet_args, name=wasm.stem, on_text=on_text)
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+    elif result.text and not result.text.endswith("\n"):
+        print()
+    if not result.ok:
+        if result.log.strip():
+            sys.stderr.write(result.log if result.log.endswith("\n") else result.log + "\n")
+        print(f"pie: error: {result.inferlet}: {result.error}", file=sys.stderr)
+        return 1
+    return 0

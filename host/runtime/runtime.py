@@ -1,0 +1,225 @@
+"""The runtime: one wasmtime engine, a compiled-component cache, and one thread + store per inferlet.
+
+Each instance gets its own Store (memory limit), a WASI context with no preopened
+directories, no network, no environment and captured stdout/stderr, and a CPU-time budget
+enforced by epoch interruption (a ticker thread advances the engine's epoch). Passes of all
+instances go through one Scheduler, which batches them into shared model calls.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import wasmtime
+from wasmtime.component import Linker
+
+from ..engine import Engine
+from ..engine.scheduler import Scheduler
+from ..errors import PieError
+from .bindings import InstanceHost
+from .cache import ComponentCache
+from .errors import InferletError
+
+
+@dataclass
+class Limits:
+    memory_bytes: int = 512 << 20  # linear memory of the whole store; componentize-py's CPython needs ~40 MiB
+    cpu_time_s: float = 60.0  # guest execution time, not counting time blocked in host calls
+
+
+@dataclass
+class RunResult:
+    inferlet: str
+    model: str
+    ok: bool
+    error: str | None
+    text: str
+    token_ids: list[int]
+    stats: dict
+    log: str = ""  # the guest's captured stdout and stderr
+
+    def to_json(self) -> dict:
+        out = {"inferlet": self.inferlet, "model": self.model, "text": self.text, "token_ids": self.token_ids,
+               "stats": self.stats}
+        if not self.ok:
+            out["error"] = self.error
+        return out
+
+
+class RunHandle:
+    """A running inferlet; `result()` waits for it."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self._result: RunResult | None = None
+
+    def result(self, timeout: float | None = None) -> RunResult:
+        self.thread.join(timeout)
+        if self._result is None:
+            raise TimeoutError("the inferlet is still running")
+        return self._result
+
+
+class Runtime:
+    def __init__(self, engine: Engine, *, limits: Limits | None = None, cache_dir: str | Path | None = None,
+                 scheduler: Scheduler | None = None, epoch_tick_s: float = 0.01):
+        self.engine = engine
+        self.limits = limits or Limits()
+        cfg = wasmtime.Config()
+        cfg.epoch_interruption = True
+        self.wasm_engine = wasmtime.Engine(cfg)
+        self.cache = ComponentCache(self.wasm_engine, Path(cache_dir) if cache_dir else None)
+        self._cache_lock = threading.Lock()
+        self._own_scheduler = scheduler is None
+        self.scheduler = scheduler or Scheduler(engine)
+        self.epoch_tick_s = epoch_tick_s
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.epoch_tick_s):
+            self.wasm_engine.increment_epoch()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._ticker.join()
+        if self._own_scheduler:
+            self.scheduler.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- loading ----------------------------------------------------------------------
+    def load(self, wasm: bytes | str | Path):
+        """The compiled component for a .wasm path or its bytes (cached by content hash)."""
+        if not isinstance(wasm, (bytes, bytearray)):
+            try:
+                wasm = Path(wasm).read_bytes()
+            except OSError as e:
+                raise InferletError(f"cannot read {wasm}: {e.strerror}") from None
+        with self._cache_lock:
+            return self.cache.load(bytes(wasm))[0]
+
+    # ---- running ----------------------------------------------------------------------
+    def start(self, wasm: bytes | str | Path, args: list[str] = (), *, name: str | None = None,
+              on_text: Callable[[str], None] | None = None, limits: Limits | None = None) -> RunHandle:
+        """Run an inferlet in its own thread; load errors also arrive as a failed RunResult."""
+        name = name or (Path(wasm).stem if isinstance(wasm, (str, Path)) else "inferlet")
+        limits = limits or self.limits
+        host = InstanceHost(self.engine, self.scheduler, list(args), limits.cpu_time_s, self.epoch_tick_s, on_text)
+        handle = RunHandle()
+
+        def target() -> None:
+            handle._result = self._run(wasm, name, host, limits)
+
+        handle.thread = threading.Thread(target=target, name=f"inferlet-{name}", daemon=True)
+        handle.thread.start()
+        return handle
+
+    def run(self, wasm, args: list[str] = (), **kw) -> RunResult:
+        return self.start(wasm, args, **kw).result()
+
+    def _run(self, wasm, name: str, host: InstanceHost, limits: Limits) -> RunResult:
+        t0 = time.perf_counter()
+        error = None
+        with tempfile.TemporaryDirectory(prefix="pie-run-") as tmp:
+            log_path = Path(tmp) / "log"
+            log_path.touch()
+            try:
+                component = self.load(wasm)
+                self._instantiate_and_run(component, host, limits, log_path)
+            except InferletError as e:
+                error = str(e)
+            except PieError as e:
+                error = f"{e.code}: {e}"
+            except wasmtime.WasmtimeError as e:
+                error = self._explain_trap(e, host, limits, log_path.read_text("utf-8", "replace"))
+            except Exception as e:  # a host bug: report it as this run's failure, never hang the caller
+                error = f"internal error: {type(e).__name__}: {e}"
+            finally:
+                host.release_all()
+            log = log_path.read_text("utf-8", "replace")
+        host.finish_output()
+        wall = time.perf_counter() - t0
+        return RunResult(
+            inferlet=name, model=self.engine.info.name, ok=error is None, error=error, text=host.text,
+            token_ids=list(host.token_ids), stats=self._stats(host, wall), log=log)
+
+    def _instantiate_and_run(self, component, host: InstanceHost, limits: Limits, log_path: Path) -> None:
+        store = wasmtime.Store(self.wasm_engine)
+        store.set_limits(memory_size=limits.memory_bytes)
+        wasi = wasmtime.WasiConfig()  # no preopens, no env, no network, no inherited stdio
+        wasi.argv = ["inferlet"]
+        # stdio goes to a file written by wasmtime itself: a Python callback could be called from
+        # wasmtime's I/O thread after the interpreter has begun shutting down, which aborts
+        wasi.stdout_file = str(log_path)
+        wasi.stderr_file = str(log_path)
+        store.set_wasi(wasi)
+        store.set_epoch_deadline(max(1, int(limits.cpu_time_s / self.epoch_tick_s)))
+        linker = Linker(self.wasm_engine)
+        linker.add_wasip2()
+        host.link(linker)
+        try:
+            instance = linker.instantiate(store, component)
+        except wasmtime.WasmtimeError as e:
+            msg = str(e).strip().splitlines()[0]
+            if "matching implementation was not found" in msg or "type mismatch" in msg or "expected" in msg:
+                raise InferletError(f"the component was not built against the pie:inferlet@0.1.0 world: {msg}") from None
+            raise
+        run = instance.get_func(store, "run")
+        if run is None:
+            raise InferletError("the component exports no `run` function; is it built for the pie:inferlet world?")
+        host._last_exit = time.perf_counter()
+        result = run(store)
+        if result is not None:
+            raise InferletError(str(result))
+
+    def _explain_trap(self, e: wasmtime.WasmtimeError, host: InstanceHost, limits: Limits, guest_log: str) -> str:
+        text = str(e)
+        if host.fatal is not None:
+            return f"host error while serving the inferlet: {type(host.fatal).__name__}: {host.fatal}"
+        if "interrupt" in text:
+            return f"the inferlet exceeded its CPU-time limit of {limits.cpu_time_s:g} s and was stopped"
+        if "MemoryError" in guest_log or "memory" in text.lower() and "out of bounds" not in text:
+            return f"the inferlet exceeded its memory limit of {limits.memory_bytes >> 20} MiB and was stopped"
+        return f"the inferlet trapped: {_trap_detail(guest_log, text)}"
+
+    def _stats(self, host: InstanceHost, wall: float) -> dict:
+        generated = len(host.token_ids)
+        return {
+            "passes": host.passes,
+            "generated_tokens": generated,
+            "drafted_tokens": host.drafted_tokens,
+            "accepted_tokens": host.accepted_tokens,
+            # committed output tokens per target forward pass (1.0 for plain autoregressive decoding)
+            "mean_accepted_per_pass": round(generated / host.passes, 4) if host.passes else 0.0,
+            "guest_calls": host.guest_calls,
+            "wall_s": round(wall, 4),
+            "tokens_per_s": round(generated / wall, 3) if wall > 0 else 0.0,
+        }
+
+
+_PY_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+def _trap_detail(guest_log: str, trap: str) -> str:
+    """The most telling line: the guest's Python exception, else wasmtime's trap reason."""
+    lines = [ln.strip() for ln in guest_log.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if _PY_EXCEPTION.match(ln):
+            return ln
+    for ln in reversed(lines):
+        if "Err` value" in ln or "panicked" in ln:
+            return ln
+    trap_lines = [ln.strip() for ln in trap.strip().splitlines() if ln.strip()]
+    return trap_lines[-1] if trap_lines else "unknown trap"

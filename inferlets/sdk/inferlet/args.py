@@ -1,0 +1,66 @@
+"""The standard generation arguments every generation inferlet accepts.
+
+--prompt TEXT, --chat, --max-tokens N, --temperature T (0 = greedy), --top-p P, --seed S.
+A small hand-written parser: argparse would print and exit, which a guest cannot do well.
+"""
+
+
+class UsageError(Exception):
+    pass
+
+
+class GenerationArgs:
+    def __init__(self):
+        self.prompt = ""
+        self.chat = False
+        self.max_tokens = 32
+        self.temperature = 0.0
+        self.top_p = 1.0
+        self.seed = 0
+        self.extra = {}  # inferlet-specific --name value pairs
+
+
+_TYPES = {"--prompt": ("prompt", str), "--max-tokens": ("max_tokens", int), "--temperature": ("temperature", float),
+          "--top-p": ("top_p", float), "--seed": ("seed", int)}
+
+
+def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:
+    """Parse argv; `extra` maps more options (e.g. '--draft-len') to (default, type)."""
+    extra = extra or {}
+    out = GenerationArgs()
+    for name, (default, _) in extra.items():
+        out.extra[name.lstrip("-").replace("-", "_")] = default
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg.partition("=")
+        if name == "--chat":
+            out.chat = True
+            i += 1
+            continue
+        if name not in _TYPES and name not in extra:
+            raise UsageError(f"unknown argument {arg!r}")
+        if inline:
+            value = inline
+            i += 1
+        elif i + 1 < len(argv):
+            value = argv[i + 1]
+            i += 2
+        else:
+            raise UsageError(f"{name} needs a value")
+        attr, typ = _TYPES[name] if name in _TYPES else (name.lstrip("-").replace("-", "_"), extra[name][1])
+        try:
+            parsed = typ(value)
+        except ValueError:
+            raise UsageError(f"{name}: {value!r} is not a valid {typ.__name__}") from None
+        if name in _TYPES:
+            setattr(out, attr, parsed)
+        else:
+            out.extra[attr] = parsed
+    if out.max_tokens < 0:
+        raise UsageError("--max-tokens must be >= 0")
+    if out.temperature < 0:
+        raise UsageError("--temperature must be >= 0")
+    if not 0 < out.top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
+    return out

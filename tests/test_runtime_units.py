@@ -1,0 +1,91 @@
+"""Runtime pieces that need neither a model nor a built inferlet: channels, sampler, cache checks, CLI."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from host.errors import InvalidArgument
+from host.runtime.cache import check_header
+from host.runtime.channels import Channel
+from host.runtime.errors import ChannelClosed, ChannelFull, InferletError
+from host.runtime.sampling import Sampler, argmax
+
+
+def test_channel_put_read_take():
+    ch = Channel("uint32", 4, torch.device("cpu"))
+    ch.put([1, 2])
+    ch.put_tensor(torch.tensor([3]))
+    assert len(ch) == 3 and ch.read(1, 2) == [2, 3]
+    assert ch.view().tolist() == [1, 2, 3]
+    with pytest.raises(ChannelFull):
+        ch.put([4, 5])
+    with pytest.raises(InvalidArgument):
+        ch.read(2, 2)
+    with pytest.raises(InvalidArgument):
+        ch.put([-1])
+    assert ch.take() == [1, 2, 3] and len(ch) == 0
+    assert ch.take() == []  # no producer attached: returns at once
+    ch.close()
+    with pytest.raises(ChannelClosed):
+        ch.put([1])
+
+
+def test_channel_take_waits_for_an_attached_producer():
+    ch = Channel("float32", 8, torch.device("cpu"))
+    ch.attach_producer()
+
+    def produce():
+        time.sleep(0.05)
+        ch.put([0.5, 1.5])
+        ch.detach_producer()
+
+    threading.Thread(target=produce).start()
+    assert ch.take() == [0.5, 1.5]
+
+
+def test_channel_rejects_bad_shapes():
+    with pytest.raises(InvalidArgument):
+        Channel("uint32", 0, torch.device("cpu"))
+    with pytest.raises(InvalidArgument):
+        Channel("float64", 4, torch.device("cpu"))
+
+
+def test_sampler_is_seeded_and_respects_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    a = Sampler(1.0, 1.0, 7)
+    b = Sampler(1.0, 1.0, 7)
+    assert [a.sample(logits)[0] for _ in range(50)] == [b.sample(logits)[0] for _ in range(50)]
+    nucleus = Sampler(1.0, 0.5, 3)  # token 0 alone holds > 50% of the mass
+    assert {nucleus.sample(logits)[0] for _ in range(50)} == {0}
+    assert Sampler(0.0, 1.0, 0).sample(logits) == argmax(logits) == [0]
+    with pytest.raises(InvalidArgument):
+        Sampler(-1.0, 1.0, 0)
+    with pytest.raises(InvalidArgument):
+        Sampler(1.0, 0.0, 0)
+
+
+def test_component_header_checks():
+    with pytest.raises(InferletError, match="not a WebAssembly file"):
+        check_header(b"hello world")
+    with pytest.raises(InferletError, match="core WebAssembly module"):
+        check_header(b"\0asm\x01\0\0\0")
+    check_header(b"\0asm\x0d\0\x01\0")  # a component header passes
+
+
+def test_pie_run_argument_split():
+    import argparse
+
+    from host.runtime.cli import add_run_parser, _split_rest
+
+    parser = argparse.ArgumentParser()
+    add_run_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["run", "text-completion", "--json", "--model", "m", "--", "--prompt", "hi", "--chat"])
+    assert _split_rest(args) == ["--prompt", "hi", "--chat"]
+    assert args.json and args.model == "m" and args.inferlet == "text-completion"
+    # options before the name: argparse eats the `--`; the inferlet's arguments still get through
+    early = parser.parse_args(["run", "--json", "x", "--", "--prompt", "hi", "--max-tokens", "3"])
+    assert _split_rest(early) == ["--prompt", "hi", "--max-tokens", "3"] and early.json
