@@ -151,6 +151,11 @@ class Engine:
             ws.check_alive()
             ws.truncate(n)
 
+    def freeze_scratch(self, ws: WorkingSet, n: int) -> None:
+        with self.lock:
+            ws.check_alive()
+            ws.freeze_scratch(n)
+
     def evict(self, ws: WorkingSet, start: int, end: int) -> None:
         with self.lock:
             ws.check_alive()

@@ -27,9 +27,22 @@ class LoopStats:
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
 
+    _pending: int = 0  # drafts of a pass whose fold the guest will commit later
+
     def record(self, window: int, fold: int) -> None:
         self.rounds += 1
-        drafts = max(window - 1, 0)
+        self._add(max(window - 1, 0), fold)
+
+    def drafted_window(self, window: int) -> None:
+        """A pass that leaves its window unfolded: the guest verifies and commits later."""
+        self._pending = max(window - 1, 0)
+
+    def accepted_rows(self, rows: int) -> None:
+        if self._pending:
+            self._add(self._pending, rows)
+            self._pending = 0
+
+    def _add(self, drafts: int, fold: int) -> None:
         acc = min(max(fold - 1, 0), drafts)
         self.drafted += drafts
         self.accepted += acc
@@ -40,6 +53,9 @@ class LoopStats:
             self.drafted_by_position[pos] += 1
             self.accepted_by_position[pos] += pos < acc
 
+    def acceptance_by_position(self) -> list[float]:
+        return [round(a / d, 4) for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
 
 @dataclass
 class DeviceLoop:
@@ -47,13 +63,14 @@ class DeviceLoop:
     `.buf` (device tensor), `.count` (host int), `.lock` (a Condition), `.notify()`."""
 
     ws: WorkingSet
-    program: object  # host.epilogue.Program
+    program: object | None  # host.epilogue.Program; None: fold from fold_channel or the whole window
     channels: dict  # name in the program -> channel
     embed: object  # the channel whose cells are each round's window
     max_window: int
     rounds: int
     readout: list[int] | None = None  # None: every row of the window
-    fold_channel: object | None = None  # fold = cell 0 of this channel, when the program sets none
+    fold_channel: object | None = None  # fold = cell 0 of this channel, read after the epilogue
+    fixed_fold: int | None = None  # a constant fold (StateGeometry's constant); -1: the whole window
     seed: int = 0
     hidden: bool = False
     round: int = 0
@@ -67,7 +84,8 @@ class DeviceLoop:
             return None
         if n > self.max_window:
             raise InvalidArgument(f"the window channel holds {n} cells, more than the pass's window of {self.max_window}")
-        rows = list(range(n)) if self.readout is None else self.readout
+        # rows past this round's window are skipped: a variable window reads out what it has
+        rows = list(range(n)) if self.readout is None else [r for r in self.readout if r < n]
         # A copy: the epilogue overwrites the channel with the next window before readback.
         return Pass(self.ws, self.embed.buf[:n].clone(), rows, fold=0, hidden=self.hidden)
 
@@ -87,18 +105,25 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
     """Run each loop's epilogue on its pass's outputs; returns per loop (fold, stop, writes) device values."""
     from ..epilogue import Env, SimpleChannel, apply_writes
 
+    from ..epilogue import Result
+
     envs, progs = [], []
     for loop, ps, out in zip(loops, passes, outs):
         chans = {name: SimpleChannel(ch.buf, torch.tensor(ch.count, dtype=torch.int64, device=device))
                  for name, ch in loop.channels.items()}
-        hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)
+        hist = None
+        if loop.program is not None and "history" in loop.program.uses:
+            hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)  # host->device, no sync
         envs.append(Env(logits=out.logits, window=ps.tokens, history=hist, hidden=out.hidden,
                         channels=chans, seed=loop.seed, round=loop.round))
         progs.append(loop.program)
     results: list = [None] * len(loops)
     by_prog: dict[int, list[int]] = {}
     for i, p in enumerate(progs):
-        by_prog.setdefault(id(p), []).append(i)
+        if p is None:
+            results[i] = (Result(), envs[i].channels)
+        else:
+            by_prog.setdefault(id(p), []).append(i)
     for idx in by_prog.values():
         for i, res in zip(idx, progs[idx[0]].run([envs[i] for i in idx])):
             apply_writes(res, envs[i].channels)
@@ -107,27 +132,44 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
 
 
 def readback(loops: list[DeviceLoop], passes: list[Pass], results: list, device) -> list[dict]:
-    """The one host transfer per batch: folds, stops, channel lengths and window tokens."""
-    parts = []
+    """The one host transfer per batch: folds, stops, channel lengths, window tokens, and the
+    new cells of channels that stream to the client (a channel with a `sink`)."""
+    parts, spans = [], []
     for loop, ps, (res, chans) in zip(loops, passes, results):
-        if res.fold is not None:
-            fold = res.fold.reshape(1)
-        elif loop.fold_channel is not None:
+        if loop.fold_channel is not None:
             fold = loop.fold_channel.buf[:1].to(torch.int64)  # read after the epilogue wrote it
+        elif loop.fixed_fold is not None:
+            fold = torch.tensor([ps.window if loop.fixed_fold < 0 else loop.fixed_fold], device=device)
+        elif res.fold is not None:
+            fold = res.fold.reshape(1)
         else:
             fold = torch.tensor([ps.window], device=device)
         stop = res.stop.reshape(1).to(torch.int64) if res.stop is not None else torch.zeros(1, dtype=torch.int64, device=device)
         lengths = [chans[name].length.reshape(1) for name in loop.channels]
         parts += [fold, stop, *lengths, ps.tokens.to(torch.int64)]
+        span = {}
+        for name, ch in loop.channels.items():
+            if getattr(ch, "sink", None) is not None:
+                # a round appends at most a window's worth in practice; more is read separately below
+                span[name] = (ch.count, min(ch.capacity - ch.count, 2 * loop.max_window + 8))
+                parts.append(ch.buf[ch.count:ch.count + span[name][1]].to(torch.int64))
+        spans.append(span)
     flat = torch.cat(parts).tolist()  # the sync: page bookkeeping needs folds and lengths on the host
     out, i = [], 0
-    for loop, ps in zip(loops, passes):
+    for loop, ps, span in zip(loops, passes, spans):
         fold, stop = flat[i], bool(flat[i + 1])
         i += 2
         lengths = dict(zip(loop.channels, flat[i:i + len(loop.channels)]))
         i += len(loop.channels)
         tokens = flat[i:i + ps.window]
         i += ps.window
-        out.append({"fold": fold, "stop": stop, "lengths": lengths, "tokens": tokens})
+        streamed = {}
+        for name, (start, bound) in span.items():
+            new = lengths[name] - start
+            cells = flat[i:i + min(new, bound)]
+            if new > bound:
+                cells += loop.channels[name].buf[start + bound:lengths[name]].tolist()
+            streamed[name] = cells
+            i += bound
+        out.append({"fold": fold, "stop": stop, "lengths": lengths, "tokens": tokens, "streamed": streamed})
     return out
-

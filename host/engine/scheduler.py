@@ -147,6 +147,10 @@ class Scheduler:
                 eng.commit(ps, first, fold, back["tokens"])
                 for name, ch in lp.channels.items():
                     ch.count = back["lengths"][name]
+                for name, cells in back["streamed"].items():
+                    ch = lp.channels[name]
+                    ch.count = 0  # the sink consumes the cells
+                    ch.sink(cells)
                 lp.stats.record(ps.window, fold)
                 lp.round += 1
                 if lp.on_round is not None:

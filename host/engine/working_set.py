@@ -20,6 +20,7 @@ class WorkingSet:
     pages: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # committed token ids, one per frozen row
     positions: list[int] = field(default_factory=list)  # position id of each frozen row
+    scratch: list[int] = field(default_factory=list)  # tokens of the rows the last pass wrote past frozen
     released: bool = False
 
     @property
@@ -68,6 +69,16 @@ class WorkingSet:
     def commit(self, window_tokens: list[int], fold: int, first_position: int) -> None:
         self.tokens.extend(window_tokens[:fold])
         self.positions.extend(range(first_position, first_position + fold))
+        self.scratch = list(window_tokens[fold:])
+
+    def freeze_scratch(self, n: int) -> None:
+        """Freeze the first n scratch rows the last pass left: a fold decided after the pass."""
+        if not 0 <= n <= len(self.scratch):
+            raise InvalidArgument(f"cannot freeze {n} rows: the last pass left {len(self.scratch)} scratch rows")
+        first = self.next_position
+        self.tokens.extend(self.scratch[:n])
+        self.positions.extend(range(first, first + n))
+        del self.scratch[:n]
 
     def fork(self, new_id: int) -> "WorkingSet":
         keep = self.pages[: self._pages_for(self.frozen)]
@@ -79,6 +90,7 @@ class WorkingSet:
             raise InvalidArgument(f"truncate to {n}: must be between 0 and the frozen length {self.frozen}")
         del self.tokens[n:]
         del self.positions[n:]
+        self.scratch = []
         keep = self._pages_for(n)
         self.pool.release(self.pages[keep:])
         del self.pages[keep:]
@@ -99,6 +111,7 @@ class WorkingSet:
         self.pages[first:] = new_pages
         del self.tokens[start:end]
         del self.positions[start:end]
+        self.scratch = []
         return copies
 
     def release(self) -> None:

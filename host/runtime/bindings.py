@@ -20,9 +20,10 @@ from wasmtime import _ffi as ffi
 from wasmtime.component import Linker, Record, Variant
 
 from ..engine import Engine, Pass, WorkingSet
+from ..engine.loop import DeviceLoop, LoopStats
 from ..errors import InvalidArgument, BadHandle, PieError
 from .channels import Channel
-from .errors import Unsupported
+from .errors import ChannelClosed, Unsupported
 from .sampling import Sampler, argmax
 
 PACKAGE = "pie:inferlet/{}@0.1.0"
@@ -68,8 +69,8 @@ class InstanceHost:
         # counters (the host's, not the guest's)
         self.guest_calls = 0
         self.passes = 0
-        self.drafted_tokens = 0
-        self.accepted_tokens = 0
+        self.draft_stats = LoopStats()
+        self.loops: list[DeviceLoop] = []
         self.guest_time_s = 0.0
         self._last_exit = time.perf_counter()
 
@@ -87,7 +88,8 @@ class InstanceHost:
         return obj
 
     def release_all(self) -> None:
-        """Free everything the instance still holds: KV pages, channel buffers, samplers."""
+        """Free everything the instance still holds: loops, KV pages, channel buffers, samplers."""
+        self.stop_loops()
         for obj in self.handles.values():
             if isinstance(obj, WorkingSet):
                 self.engine.release(obj)
@@ -133,6 +135,7 @@ class InstanceHost:
                 i.add_func("get-model-info", h(self.model_info))
                 i.add_func("send", h(self.send))
                 i.add_func("emit", h(self.emit))
+                i.add_func("emit-channel", h(self.emit_channel))
             with root.add_instance(PACKAGE.format("tokenizer")) as i:
                 i.add_func("encode", h(self.encode))
                 i.add_func("decode", h(self.decode))
@@ -144,6 +147,7 @@ class InstanceHost:
                 i.add_func("fork", h(lambda ws: self._add(self.engine.fork(self._ws(ws)))))
                 i.add_func("truncate", h(lambda ws, n: self.engine.truncate(self._ws(ws), n)))
                 i.add_func("evict", h(lambda ws, s, e: self.engine.evict(self._ws(ws), s, e)))
+                i.add_func("commit", h(self.commit))
                 i.add_func("release", h(self.release_ws))
             with root.add_instance(PACKAGE.format("channels")) as i:
                 i.add_func("create", h(lambda el, cap: self._add(Channel(el, cap, self.engine.device))))
@@ -182,6 +186,17 @@ class InstanceHost:
         with self._out_lock:
             self.token_ids.extend(tokens)
             self._stream_tokens(final=False)
+
+    def emit_channel(self, h: int) -> None:
+        ch = self._ch(h)
+        if ch.element not in ("uint32", "int32"):
+            raise InvalidArgument(f"only a u32 or i32 channel holds token ids, not {ch.element}")
+
+        def sink(cells: list[int]) -> None:  # called by the scheduler thread after each round
+            with self._out_lock:
+                self.token_ids.extend(cells)
+                self._stream_tokens(final=False)
+        ch.sink = sink
 
     def _stream_tokens(self, final: bool) -> None:
         decode = self.engine.tokenizer.decode
@@ -254,38 +269,75 @@ class InstanceHost:
         del self.handles[h]
 
     # ---- forward passes ------------------------------------------------------------------
-    def _pass(self, p: Record) -> tuple[Pass, Variant]:
+    def _pass(self, p: Record, rounds: int | None) -> tuple[Pass | DeviceLoop, Variant]:
+        """A plain Pass, or a DeviceLoop when the pass reads a channel or names an epilogue."""
         ws = self._ws(getattr(p, "ws"))
         embed = getattr(p, "embed")
         geometry = getattr(p, "geometry")
         readout = getattr(p, "readout")
-        epilogue = getattr(p, "epilogue")
+        call = getattr(p, "epilogue")
         fold = getattr(geometry, "fold")
         kind = getattr(readout, "kind")
-        # embed's cases lower to different classes (list / int), so wasmtime-py gives the payload
-        if not isinstance(embed, list):
-            self._ch(embed)
-            raise Unsupported("embed from a channel needs the device loop, which this host version lacks")
-        if fold.tag == "from-channel":
-            self._ch(fold.payload)
-            raise Unsupported("fold from a channel needs the device loop, which this host version lacks")
+        window = getattr(geometry, "window")
+        rows = list(getattr(readout, "rows"))
         if kind.tag == "sample":
             self._get(kind.payload, Sampler, "sampler")
-        if epilogue is not None:
-            self.release_epilogue(getattr(epilogue, "program"))  # answers bad-handle: none can exist yet
-        if fold.tag == "from-epilogue":
+        if fold.tag == "from-epilogue" and call is None:
             raise InvalidArgument("fold from-epilogue needs the pass to name an epilogue")
-        window = getattr(geometry, "window")
-        if window != len(embed):
-            raise InvalidArgument(f"geometry window {window} differs from the {len(embed)} embedded tokens")
-        self._check_ids(embed)
-        n = None if fold.tag == "all" else fold.payload
-        return Pass(ws, embed, list(getattr(readout, "rows")), fold=n), kind
+        # embed's cases lower to different classes (list / int), so wasmtime-py gives the payload
+        from_channel = not isinstance(embed, list)
+        if not from_channel:
+            if window != len(embed):
+                raise InvalidArgument(f"geometry window {window} differs from the {len(embed)} embedded tokens")
+            self._check_ids(embed)
+        if rounds is None and not from_channel and fold.tag != "from-channel" and call is None:
+            n = None if fold.tag == "all" else fold.payload
+            return Pass(ws, embed, rows, fold=n), kind
+        if kind.tag != "none":
+            raise InvalidArgument("a pass that runs an epilogue or reads a channel takes readout kind `none`; "
+                                  "its epilogue consumes the outputs")
+        if window < 1:
+            raise InvalidArgument("a pass needs a window of at least one row")
+        bad = [r for r in rows if r >= window]
+        if bad:
+            raise InvalidArgument(f"readout row {bad[0]} is outside the window of {window} rows")
+        if from_channel:
+            src = self._ch(embed)
+            if src.element not in ("uint32", "int32"):
+                raise InvalidArgument(f"a window is embedded from a u32 or i32 channel, not {src.element}")
+        else:  # literal tokens feed the first round through a private channel
+            src = Channel("uint32", window, self.engine.device)
+            src.put(embed)
+        program, channels, seed = None, {}, 0
+        if call is not None:
+            program, channels = self._get(getattr(call, "program"), _Registered, "epilogue").bound()
+            seed = getattr(call, "seed")
+        fold_channel = None
+        if fold.tag == "from-channel":
+            fold_channel = self._ch(fold.payload)
+        elif fold.tag == "constant" and fold.payload > window:
+            raise InvalidArgument(f"fold {fold.payload} is outside 0..{window} (the window length)")
+        elif fold.tag == "from-epilogue" and not program.has_fold:
+            raise InvalidArgument("fold from-epilogue, but the epilogue has no fold effect")
+        loop = DeviceLoop(ws, program, channels, src, max_window=window, rounds=rounds or 1, readout=rows,
+                          fold_channel=fold_channel, seed=seed, on_round=self._count_round)
+        if fold.tag in ("all", "constant"):
+            loop.fixed_fold = -1 if fold.tag == "all" else fold.payload
+        return loop, kind
+
+    def _count_round(self, loop: DeviceLoop, window: int, fold: int) -> None:
+        self.passes += 1
+        self.draft_stats.record(window, fold)
 
     def execute(self, p: Record) -> Record:
-        ps, kind = self._pass(p)
+        ps, kind = self._pass(p, None)
+        if isinstance(ps, DeviceLoop):
+            self._wait_loop(ps)
+            return _record(tokens=[], logits=[], frozen=ps.ws.frozen)
         out = self.scheduler.forward(ps)
         self.passes += 1
+        if ps.fold is not None and ps.fold < ps.window:  # the guest decides the fold later (commit)
+            self.draft_stats.drafted_window(ps.window)
         tokens: list[int] = []
         logits: list[float] = []
         if kind.tag == "argmax":
@@ -296,13 +348,74 @@ class InstanceHost:
             logits = out.logits.flatten().tolist()
         return _record(tokens=tokens, logits=logits, frozen=ps.ws.frozen)
 
-    def register_epilogue(self, program: str, channels: list) -> int:
-        for b in channels:
-            self._ch(getattr(b, "channel"))
-        raise Unsupported("epilogue programs are not available in this host version")
+    def commit(self, h: int, rows: int) -> None:
+        self.engine.freeze_scratch(self._ws(h), rows)
+        self.draft_stats.accepted_rows(rows)
+
+    def _start(self, loop: DeviceLoop) -> None:
+        chans = {id(c): c for c in loop.channels.values()}
+        for ch in chans.values():
+            ch.attach_producer()
+
+        def ended(fut) -> None:
+            err = fut.exception()
+            for ch in chans.values():
+                ch.detach_producer(err)
+        loop.done.add_done_callback(ended)
+        self.loops.append(loop)
+        self.scheduler.start_loop(loop)
+
+    def _wait_loop(self, loop: DeviceLoop) -> None:
+        self._start(loop)
+        loop.done.result()  # raises the pass's PieError
+
+    def register_epilogue(self, program: str, bindings: list) -> int:
+        from ..epilogue import compile_program
+
+        chans = {}
+        for b in bindings:
+            name = getattr(b, "name")
+            if name in chans:
+                raise InvalidArgument(f"channel {name!r} is bound twice")
+            chans[name] = getattr(b, "channel")
+            self._ch(chans[name])
+        prog = compile_program(program)
+        for name, spec in prog.checked.channels.items():
+            if name not in chans:
+                raise InvalidArgument(f"the epilogue declares channel {name!r}, but no channel is bound to it")
+            ch = self._ch(chans[name])
+            if ch.capacity != spec.capacity:
+                raise InvalidArgument(f"channel {name!r} has capacity {ch.capacity}; the epilogue declares {spec.capacity}")
+            if (spec.dtype == "f32") != (ch.element == "float32") or (spec.dtype == "bool") != (ch.element == "boolean"):
+                raise InvalidArgument(f"channel {name!r} holds {ch.element}; the epilogue declares {spec.dtype}")
+        extra = set(chans) - set(prog.checked.channels)
+        if extra:
+            raise InvalidArgument(f"channel {sorted(extra)[0]!r} is bound but the epilogue does not declare it")
+        return self._add(_Registered(self, prog, chans))
 
     def release_epilogue(self, h: int) -> None:
-        raise BadHandle(f"epilogue handle {h} is unknown (no epilogue was registered)")
+        self._get(h, _Registered, "epilogue")
+        del self.handles[h]
 
     def run_loop(self, p: Record, rounds: int) -> None:
-        raise Unsupported("the device loop is not available in this host version")
+        if rounds < 1:
+            raise InvalidArgument("run-loop needs at least one round")
+        loop, _ = self._pass(p, rounds)
+        self._start(loop)
+
+    def stop_loops(self) -> None:
+        """End this instance's loops (the instance is finishing); the scheduler drops them."""
+        for loop in self.loops:
+            loop.finish(ChannelClosed("the inferlet ended while its loop was running"))
+
+
+class _Registered:
+    """A registered epilogue: the compiled program and its channel handles."""
+
+    def __init__(self, host: InstanceHost, program, channels: dict[str, int]):
+        self.host = host
+        self.program = program
+        self.channels = channels
+
+    def bound(self):
+        return self.program, {name: self.host._ch(h) for name, h in self.channels.items()}

@@ -39,7 +39,18 @@ class Channel:
         self.count = 0
         self.closed = False
         self.producers = 0
+        self.error: BaseException | None = None  # a failed producer's error, reported by take
+        self.sink = None  # callable(cells): the host consumes what a device loop appends (runtime.emit-channel)
         self._cv = threading.Condition()
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held by the device loop while its epilogue writes the buffer and `count`."""
+        return self._cv
+
+    def notify(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
 
     def _check_values(self, values: list) -> None:
         if self.element == "uint32" and any(v < 0 or v >= 1 << 32 for v in values):
@@ -72,10 +83,14 @@ class Channel:
         return self.buf[:self.count]
 
     def take(self, timeout: float | None = None) -> list:
+        """All cells now in the channel; waits while it is empty and a producer is attached.
+        Once empty, a failed producer's error is raised (after its cells were taken)."""
         with self._cv:
             while self.count == 0 and not self.closed and self.producers > 0:
                 if not self._cv.wait(timeout):
                     break
+            if self.count == 0 and self.error is not None:
+                raise self.error
             values = self.buf[:self.count].tolist()
             self.count = 0
             return values
@@ -92,7 +107,9 @@ class Channel:
         with self._cv:
             self.producers += 1
 
-    def detach_producer(self) -> None:
+    def detach_producer(self, error: BaseException | None = None) -> None:
         with self._cv:
             self.producers -= 1
+            if error is not None:
+                self.error = error
             self._cv.notify_all()

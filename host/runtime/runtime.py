@@ -199,8 +199,9 @@ class Runtime:
         return {
             "passes": host.passes,
             "generated_tokens": generated,
-            "drafted_tokens": host.drafted_tokens,
-            "accepted_tokens": host.accepted_tokens,
+            "drafted_tokens": host.draft_stats.drafted,
+            "accepted_tokens": host.draft_stats.accepted,
+            "acceptance_by_position": host.draft_stats.acceptance_by_position(),
             # committed output tokens per target forward pass (1.0 for plain autoregressive decoding)
             "mean_accepted_per_pass": round(generated / host.passes, 4) if host.passes else 0.0,
             "guest_calls": host.guest_calls,

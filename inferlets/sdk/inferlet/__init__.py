@@ -5,8 +5,8 @@ shape without touching every inferlet. Pure Python: it runs inside the component
 """
 
 from .api import (Channel, Epilogue, ForwardPass, Model, PieError, Sampler, StateGeometry, WorkingSet, arguments,
-                  emit, send)
+                  emit, emit_channel, send)
 from .args import GenerationArgs, UsageError, parse_generation_args
 
 __all__ = ["Channel", "Epilogue", "ForwardPass", "GenerationArgs", "Model", "PieError", "Sampler", "StateGeometry",
-           "UsageError", "WorkingSet", "arguments", "emit", "parse_generation_args", "send"]
+           "UsageError", "WorkingSet", "arguments", "emit", "emit_channel", "parse_generation_args", "send"]

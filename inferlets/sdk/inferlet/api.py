@@ -43,6 +43,12 @@ def emit(tokens) -> None:
     _call(_rt.emit, list(tokens))
 
 
+def emit_channel(channel) -> None:
+    """Make the host emit whatever a device loop appends to `channel`, with no guest call
+    per round; wait for the loop with `channel.take()`, which returns [] once it ended."""
+    _call(_rt.emit_channel, channel.handle)
+
+
 class Model:
     """The target model: facts and tokenizer. Facts are fetched once."""
 
@@ -108,6 +114,10 @@ class WorkingSet:
 
     def evict(self, start: int, end: int) -> None:
         _call(_ws.evict, self.handle, start, end)
+
+    def commit(self, rows: int) -> None:
+        """Freeze the first `rows` scratch rows the last pass left (a fold decided after the pass)."""
+        _call(_ws.commit, self.handle, rows)
 
     def release(self) -> None:
         _call(_ws.release, self.handle)
