@@ -171,3 +171,15 @@ def test_commit_scratch_after_the_pass(tiny):
         eng.freeze_scratch(ws, 2)  # only one scratch row is left
     (o,) = run(eng, Pass(ws, [43], [0]))
     assert torch.allclose(o.logits[0], ref_logits(ref, seq(5) + [40, 41, 43])[-1], atol=TOL)
+
+
+def test_long_prefill_beside_decodes_uses_separate_attention_groups(tiny):
+    eng, ref = tiny
+    a, b, c = eng.new_working_set(), eng.new_working_set(), eng.new_working_set()
+    sb, sc = seq(5, 2), seq(4, 3)
+    run(eng, Pass(b, sb, [0]), Pass(c, sc, [0]))
+    long = seq(20, 4)  # past SMALL_WINDOW: attends in its own group
+    oa, ob, oc = run(eng, Pass(a, long, [0, 19]), Pass(b, [9], [0]), Pass(c, [8, 7, 6], [0, 1, 2]))
+    assert torch.allclose(oa.logits, ref_logits(ref, long)[[0, 19]], atol=TOL)
+    assert torch.allclose(ob.logits[0], ref_logits(ref, sb + [9])[-1], atol=TOL)
+    assert torch.allclose(oc.logits, ref_logits(ref, sc + [8, 7, 6])[-3:], atol=TOL)

@@ -17,16 +17,73 @@ NAME = "pie_paged"
 
 
 @dataclass
+class Group:
+    """Passes whose queries attend in one SDPA call (padded to the group's longest window)."""
+
+    rows: torch.Tensor | None  # flat rows of the group's real queries, in order; None: the whole batch
+    ctx_slots: torch.Tensor | None  # [B, Lmax] pool slots of each pass's context (padded)
+    ctx_range: tuple[int, int] | None  # one pass whose context is one run of slots: a view, no gather
+    q_index: torch.Tensor | None  # [B, Wmax] flat row of each padded query; None: the batch's own order
+    q_valid: torch.Tensor | None  # [B*Wmax] which padded queries are real rows
+    mask: torch.Tensor | None  # [B, 1, Wmax, Lmax] bool; None for a single one-row pass
+
+
+@dataclass
 class BatchMeta:
     """Index tensors for one ragged batch, shared by every layer."""
 
     kv: torch.Tensor  # [layers, 2, slots, kv_heads, head_dim]: the whole pool
     slot_mapping: torch.Tensor  # [T] pool slot of each new row
-    ctx_slots: torch.Tensor | None  # [B, Lmax] pool slots of each pass's context (padded)
-    ctx_range: tuple[int, int] | None  # one pass whose context is one run of slots: a view, no gather
-    q_index: torch.Tensor | None  # [B, Wmax] flat row of each padded query; None when B == 1
-    q_valid: torch.Tensor | None  # [B*Wmax] which padded queries are real rows
-    mask: torch.Tensor | None  # [B, 1, Wmax, Lmax] bool; None for a single one-row pass
+    groups: list[Group]
+
+
+def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], ctx: list[list[int]],
+               contiguous: bool, whole: bool) -> Group:
+    """contiguous: a single pass whose context slots are one run; whole: the group is the entire batch."""
+    b, wmax, lmax = len(windows), max(windows), max(len(c) for c in ctx)
+    ctx_t = ctx_range = None
+    if b == 1 and contiguous:
+        ctx_range = (ctx[0][0], ctx[0][-1] + 1)
+    else:
+        ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
+    mask = q_index = q_valid = rows = None
+    if b > 1 or wmax > 1:
+        fz = torch.tensor(frozen, device=dev)
+        cl = torch.tensor([len(c) for c in ctx], device=dev)
+        qi = torch.arange(wmax, device=dev)
+        kj = torch.arange(lmax, device=dev)
+        # key j is visible to window row i iff j <= frozen + i (causal), and j is a real row
+        mask = (kj[None, None, :] <= fz[:, None, None] + qi[None, :, None]) & (kj[None, None, :] < cl[:, None, None])
+        mask = mask.unsqueeze(1)
+    if not whole or b > 1:
+        wl = torch.tensor(windows, device=dev)
+        st = torch.tensor(starts, device=dev)
+        qi = torch.arange(wmax, device=dev)
+        valid = qi[None, :] < wl[:, None]
+        q_index = torch.where(valid, st[:, None] + qi[None, :], 0)
+        q_valid = valid.flatten()
+        if not whole:
+            rows = q_index.flatten()[q_valid]
+    return Group(rows, ctx_t, ctx_range, q_index, q_valid, mask)
+
+
+def _attend(g: Group, pool_k, pool_v, query, scaling):
+    if g.ctx_range is not None:
+        a, b = g.ctx_range
+        k = pool_k[a:b].unsqueeze(0).transpose(1, 2)  # [1, kv_heads, L, D]
+        v = pool_v[a:b].unsqueeze(0).transpose(1, 2)
+    else:
+        shape = (*g.ctx_slots.shape, *pool_k.shape[1:])  # [B, L, kv_heads, D]
+        flat = g.ctx_slots.view(-1)
+        k = pool_k.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
+        v = pool_v.index_select(0, flat).view(shape).transpose(1, 2)
+    q = query if g.q_index is None else query[0][:, g.q_index].transpose(0, 1)  # [B, heads, Wmax, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    if g.q_index is not None:
+        # [B, H, Wmax, D] -> the real rows, in flat order -> [1, H, rows, D]
+        out = out.transpose(0, 1).flatten(1, 2)[:, g.q_valid].unsqueeze(0)
+    return out
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -36,24 +93,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     # query/key/value: [1, heads, T, head_dim] over the flattened batch.
     pool_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     pool_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    if meta.ctx_range is not None:
-        a, b = meta.ctx_range
-        k = pool_k[a:b].unsqueeze(0).transpose(1, 2)  # [1, kv_heads, L, D]
-        v = pool_v[a:b].unsqueeze(0).transpose(1, 2)
+    if len(meta.groups) == 1 and meta.groups[0].rows is None:
+        out = _attend(meta.groups[0], pool_k, pool_v, query, scaling)
     else:
-        shape = (*meta.ctx_slots.shape, *pool_k.shape[1:])  # [B, L, kv_heads, D]
-        flat = meta.ctx_slots.view(-1)
-        k = pool_k.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
-        v = pool_v.index_select(0, flat).view(shape).transpose(1, 2)
-    if meta.q_index is None:
-        q = query
-    else:
-        q = query[0][:, meta.q_index].transpose(0, 1)  # [B, heads, Wmax, D]
-    gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scaling, enable_gqa=gqa)
-    if meta.q_index is not None:
-        # [B, H, Wmax, D] -> the real rows, in flat order -> [1, H, T, D]
-        out = out.transpose(0, 1).flatten(1, 2)[:, meta.q_valid].unsqueeze(0)
+        out = query.new_empty(query.shape)
+        for g in meta.groups:
+            out[:, :, g.rows] = _attend(g, pool_k, pool_v, query, scaling)
     return out.transpose(1, 2), None
 
 

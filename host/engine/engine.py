@@ -253,32 +253,27 @@ class Engine:
         tok = [torch.tensor(ps.tokens, dtype=torch.long) if isinstance(ps.tokens, list) else ps.tokens.to(torch.long)
                for ps in passes]
         input_ids = (torch.cat(tok) if len(tok) > 1 else tok[0]).to(dev)
-        lmax = max(len(c) for c in ctx)
-        wmax = max(ps.window for ps in passes)
-        ctx_t = ctx_range = None
-        pages = passes[0].ws.pages
-        if len(ctx) == 1 and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
-            ctx_range = (ctx[0][0], ctx[0][-1] + 1)  # pages allocated in order: the usual single-sequence case
-        else:
-            ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
-        mask = q_index = q_valid = None
-        if len(passes) > 1 or wmax > 1:
-            frozen = torch.tensor([ps.ws.frozen for ps in passes], device=dev)
-            ctx_len = torch.tensor([len(c) for c in ctx], device=dev)
-            wlen = torch.tensor([ps.window for ps in passes], device=dev)
-            qi = torch.arange(wmax, device=dev)
-            kj = torch.arange(lmax, device=dev)
-            # key j is visible to window row i iff j <= frozen + i (causal), and j is a real row
-            mask = (kj[None, None, :] <= frozen[:, None, None] + qi[None, :, None]) & (kj[None, None, :] < ctx_len[:, None, None])
-            mask = mask.unsqueeze(1)
-            if len(passes) > 1:
-                starts = torch.cumsum(wlen, 0) - wlen
-                valid = qi[None, :] < wlen[:, None]
-                q_index = torch.where(valid, starts[:, None] + qi[None, :], 0)
-                q_valid = valid.flatten()
-        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), ctx_t, ctx_range, q_index, q_valid, mask)
+        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), self._groups(passes, ctx))
         return Batch(passes, firsts, input_ids, torch.tensor(pos, device=dev), meta,
                      torch.tensor(readout, device=dev, dtype=torch.long), splits)
+
+    # Windows up to this many rows share one padded attention call; longer ones (prefills) get
+    # their own, so one long prompt does not pad every decode row of the batch to its length.
+    SMALL_WINDOW = 16
+
+    def _groups(self, passes: list[Pass], ctx: list[list[int]]) -> list[attention.Group]:
+        starts = list(itertools.accumulate((ps.window for ps in passes), initial=0))[:-1]
+        small = [i for i, ps in enumerate(passes) if ps.window <= self.SMALL_WINDOW]
+        sets = ([small] if small else []) + [[i] for i, ps in enumerate(passes) if ps.window > self.SMALL_WINDOW]
+        whole = len(sets) == 1
+        groups = []
+        for idx in sets:
+            pages = passes[idx[0]].ws.pages
+            contiguous = len(idx) == 1 and pages == list(range(pages[0], pages[0] + len(pages)))
+            groups.append(attention.make_group(
+                self.device, [starts[i] for i in idx], [passes[i].window for i in idx],
+                [passes[i].ws.frozen for i in idx], [ctx[i] for i in idx], contiguous, whole))
+        return groups
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[PassOutput]:
