@@ -30,7 +30,7 @@ FAILURES = [
     ("out-of-vocabulary", "mode:oov", "invalid-argument: token id 49157 is outside the vocabulary"),
     ("oversized-window", "mode:window", "context-overflow: window of 8193 rows"),
     ("fold-past-window", "mode:fold", "invalid-argument: fold 3 is outside 0..2"),
-    ("epilogue-unsupported", "mode:epilogue", "unsupported: epilogue programs are not available"),
+    ("malformed-epilogue", "mode:epilogue", "invalid-argument: op 0: unknown op 'frobnicate'"),
     ("epilogue-bad-handle", "mode:epilogue-handle", "bad-handle: epilogue handle 7 is unknown"),
     ("truncated-wasm", "truncated", "not a valid component (truncated or corrupt?)"),
     ("core-module", "core", "core WebAssembly module, not a component"),

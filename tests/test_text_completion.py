@@ -32,20 +32,32 @@ def test_guest_chat_prompt_matches_the_reference_ids(engine, chat_ids):
         assert tok.encode(text, add_special_tokens=False) == ids
 
 
-def test_greedy_equals_hf_generate_on_every_dev_prompt(runtime, engine, text_completion_wasm, hf_greedy):
+@pytest.mark.parametrize("loop", ["device", "guest"])
+def test_greedy_equals_hf_generate_on_every_dev_prompt(runtime, engine, text_completion_wasm, hf_greedy, loop):
     prompts = dev_prompts()
     refs = [hf_greedy(i, N) for i in range(len(prompts))]
-    # in concurrent waves, so the engine batches them into shared model calls (waves of 16: on
-    # CPU the engine's batched step grows faster than linearly past that)
+    # in concurrent waves, so the engine batches them into shared model calls
     results = []
     for start in range(0, len(prompts), WAVE):
-        handles = [runtime.start(text_completion_wasm, _args(p["prompt"])) for p in prompts[start:start + WAVE]]
+        handles = [runtime.start(text_completion_wasm, _args(p["prompt"], N, "--loop", loop))
+                   for p in prompts[start:start + WAVE]]
         results += [h.result(timeout=600) for h in handles]
     for i, (r, ref) in enumerate(zip(results, refs)):
         assert r.ok, r.error
-        assert r.token_ids == ref, f"dev prompt {i} (id {prompts[i]['id']})"
+        assert r.token_ids == ref, f"dev prompt {i} (id {prompts[i]['id']}), --loop {loop}"
         assert r.text == engine.tokenizer.decode(ref, skip_special_tokens=True)
-        assert r.stats["passes"] == len(ref)
+        # the device loop prefills the prompt's head in a pass of its own, then one round per token
+        assert r.stats["passes"] == len(ref) + (loop == "device")
+
+
+def test_device_loop_takes_almost_no_guest_calls(runtime, text_completion_wasm):
+    r = runtime.run(text_completion_wasm, ["--prompt", "The history of the city begins", "--max-tokens", "240"])
+    assert r.ok, r.error
+    assert r.stats["generated_tokens"] == 240  # a plain-text prompt: the model writes on
+    assert r.stats["guest_calls"] / r.stats["generated_tokens"] < 0.1
+    g = runtime.run(text_completion_wasm, ["--prompt", "The history of the city begins", "--max-tokens", "240",
+                                           "--loop", "guest"])
+    assert g.token_ids == r.token_ids and g.stats["guest_calls"] > 240
 
 
 def test_text_streams_as_generated(runtime, text_completion_wasm, engine):
@@ -93,5 +105,5 @@ def test_pie_run_json(hf_greedy, text_completion_wasm):
     assert set(out) == {"inferlet", "model", "text", "token_ids", "stats"}
     assert out["inferlet"] == "text-completion" and out["model"] == "smollm2-135m"
     assert out["token_ids"] == hf_greedy(0, 8)
-    assert set(out["stats"]) == {"passes", "generated_tokens", "drafted_tokens", "accepted_tokens",
+    assert set(out["stats"]) == {"passes", "generated_tokens", "drafted_tokens", "accepted_tokens", "acceptance_by_position",
                                  "mean_accepted_per_pass", "guest_calls", "wall_s", "tokens_per_s"}

@@ -52,7 +52,8 @@ def run(mode: str) -> None:
     if mode == "fold":
         ForwardPass(ws, [1, 2], StateGeometry(2, 3)).execute()
     if mode == "epilogue":
-        model.register_epilogue('{"version": 1, "ops": []}', {"out": Channel("u32", 4)})
+        model.register_epilogue('{"version": 1, "inputs": [{"kind": "logits"}], '
+                                '"ops": [{"op": "frobnicate", "args": [0]}]}', {})
     if mode == "epilogue-handle":
         ForwardPass(ws, [1], StateGeometry(1, "epilogue"), epilogue=Epilogue(7)).execute()
     if mode == "channels":
