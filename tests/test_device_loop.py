@@ -127,3 +127,39 @@ def test_fold_from_the_epilogue_keeps_0_some_all(tiny, keep):
         assert torch.allclose(o.logits[0], expect, atol=1e-4)
     finally:
         sched.close()
+
+
+def test_thousands_of_rounds_leak_nothing(tiny):
+    import gc
+
+    eng, _ = tiny
+    sched = Scheduler(eng)
+    try:
+        ws = eng.new_working_set()
+        eng.forward([Pass(ws, [3, 4, 5], [0])])
+        free = eng.pool.free_pages
+        p = trace.Program(window=1, readout=1)
+        p.channel("window", "i64", 1)
+        p.channel("out", "i64", 1)
+        tok = p.logits().argmax()
+        p.set("out", tok)  # overwrite: the channel never grows
+        p.set("window", tok)
+        p.fold(p.const(0))  # nothing freezes: the same rows are rewritten every round
+        prog = compile_program(p.to_json())
+
+        def run(rounds):
+            win, out = Chan(1, [7]), Chan(1)
+            loop = DeviceLoop(ws, prog, {"window": win, "out": out}, win, max_window=1, rounds=rounds)
+            return sched.start_loop(loop).result(timeout=300)
+
+        run(50)
+        gc.collect()
+        before = len(gc.get_objects())
+        stats = run(3000)
+        gc.collect()
+        assert stats.rounds == 3000 and ws.frozen == 3
+        assert eng.pool.free_pages == free
+        assert len(gc.get_objects()) - before < 200
+        assert not sched._loops
+    finally:
+        sched.close()
