@@ -6,10 +6,7 @@ target distribution (chi-square against the exact distribution from the referenc
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,38 +17,11 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 
-SDK = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"inferlet_{name}_cacheback_test", SDK / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-trace = _load("trace")
-spec = _load("speculative")
+from guest import Chan, trace
+from guest import speculative as spec
 
 REPETITIVE = [5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9]
 PLAIN = [30, 71, 12, 55, 3, 88, 41, 17]
-
-
-class Chan:
-    """The channel protocol the loop needs (as in tests/test_device_loop.py)."""
-
-    def __init__(self, capacity, values=()):
-        self.buf = torch.zeros(capacity, dtype=torch.int64)
-        self.count = len(values)
-        self.buf[: self.count] = torch.tensor(list(values), dtype=torch.int64)
-        self.lock = threading.Condition()
-
-    def notify(self):
-        with self.lock:
-            self.lock.notify_all()
-
-    def cells(self):
-        return self.buf[: self.count].tolist()
 
 
 @pytest.fixture

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import threading
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,33 +10,7 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 
-
-def _tracer():
-    path = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet" / "trace.py"
-    spec = importlib.util.spec_from_file_location("inferlet_trace_loop", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-trace = _tracer()
-
-
-class Chan:
-    """The channel protocol the loop needs (the runtime's channels follow it)."""
-
-    def __init__(self, capacity, values=()):
-        self.buf = torch.zeros(capacity, dtype=torch.int64)
-        self.count = len(values)
-        self.buf[: self.count] = torch.tensor(list(values), dtype=torch.int64)
-        self.lock = threading.Condition()
-
-    def notify(self):
-        with self.lock:
-            self.lock.notify_all()
-
-    def cells(self):
-        return self.buf[: self.count].tolist()
+from guest import Chan, trace
 
 
 def greedy_program(limit: int, eos: int) -> str:

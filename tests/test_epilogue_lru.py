@@ -1,27 +1,15 @@
 """The LRU n-gram table ops and variable-window programs (dims {"R": "W"})."""
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from host.epilogue import Env, ProgramError, SimpleChannel, compile_program
 
-SDK = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"inferlet_{name}_lru_test", SDK / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-trace = _load("trace")
-ref = _load("speculative")  # its plain-Python lru_lookup / lru_update are the references
+from guest import trace
+from guest import speculative as ref  # its plain-Python lru_lookup / lru_update are the references
 
 
 def chan(values):

@@ -1,7 +1,5 @@
 """Each epilogue op against a plain torch reference (CPU), via traced programs."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,16 +7,9 @@ import torch
 from host.epilogue import Env, SimpleChannel, apply_writes, compile_program
 
 
-def _load_tracer():
-    # Load trace.py alone: the SDK package's __init__ imports the component bindings.
-    path = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet" / "trace.py"
-    spec = importlib.util.spec_from_file_location("inferlet_trace_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from guest import trace
 
-
-Program = _load_tracer().Program
+Program = trace.Program
 
 
 def values(p, *outs, **env):

@@ -1,9 +1,7 @@
 """Tracer round trip: trace in plain CPython -> JSON -> compile -> run, including a
 whole prompt-lookup speculative loop on a fake model checked against greedy decoding."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +9,7 @@ import torch
 from host.epilogue import Env, SimpleChannel, apply_writes, compile_program
 
 
-def _load_tracer():
-    path = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet" / "trace.py"
-    spec = importlib.util.spec_from_file_location("inferlet_trace_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-trace = _load_tracer()
+from guest import trace
 V = 11
 
 

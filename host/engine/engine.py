@@ -240,7 +240,7 @@ class Engine:
     def _build(self, passes: list[Pass]) -> Batch:
         dev = self.device
         firsts = [ps.ws.next_position for ps in passes]
-        ids, pos, slots, ctx, readout, splits = [], [], [], [], [], []
+        pos, slots, ctx, readout, splits = [], [], [], [], []
         offset = 0
         for ps, first in zip(passes, firsts):
             w, f = ps.window, ps.ws.frozen

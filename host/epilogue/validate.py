@@ -498,9 +498,8 @@ def _infer(where, name, av: list[Value], attrs, dims, channel_of) -> list[Value]
         if len(av) == 2:
             need(av[1], "i64"), rank(av[1], 0)
         lo = _int_attr(where, attrs, "ngram_min", 1, 1, 64)
-        hi = _int_attr(where, attrs, "ngram_max", max(lo, 3), lo, 64)
+        _int_attr(where, attrs, "ngram_max", max(lo, 3), lo, 64)  # validated; the kernel reads it
         k = _int_attr(where, attrs, "k", None, 1, 1024)
-        del hi
         return [Value("i64", (Dim.of(k),), seq.ub), Value("i64", (), [Dim.of(k)])]
 
     if name in ("lru_lookup", "lru_update"):

@@ -1,0 +1,115 @@
+"""Speculative inferlets through Wasm on the default model: cacheback (device loop) and the
+guest-side ngram-drafter give plain decoding's tokens; seeded sampling repeats; the host's
+stats add up; the device loop needs a fixed handful of guest calls, not some per token."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import dev_prompts
+from wasm_fixtures import build_inferlet
+from wasm_fixtures import *  # noqa: F401,F403 (fixtures)
+
+pytestmark = [pytest.mark.wasm, pytest.mark.model]
+
+N = 128
+WAVE = 8  # prompts per wave; each starts text-completion and cacheback (16 instances batched together)
+DRAFTER_PROMPTS = 8
+SAMPLED = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "1234")
+
+
+def _args(prompt: str, n: int = N, *extra: str) -> list[str]:
+    return ["--prompt", prompt, "--chat", "--max-tokens", str(n), *extra]
+
+
+@pytest.fixture(scope="module")
+def cacheback_wasm():
+    return build_inferlet("cacheback-speculative-decoding")
+
+
+@pytest.fixture(scope="module")
+def ngram_drafter_wasm():
+    return build_inferlet("ngram-drafter")
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(runtime, text_completion_wasm, cacheback_wasm, ngram_drafter_wasm):
+    """{name: [result per prompt]}: every dev prompt through text-completion (the reference: it
+    equals HF greedy, see test_text_completion) and cacheback; the first few through ngram-drafter.
+    Concurrent waves, so the engine batches them."""
+    prompts = [p["prompt"] for p in dev_prompts()]
+    wasm = {"text-completion": text_completion_wasm, "cacheback": cacheback_wasm, "ngram-drafter": ngram_drafter_wasm}
+    runs = {name: [] for name in wasm}
+    for start in range(0, len(prompts), WAVE):
+        wave = prompts[start:start + WAVE]
+        names = ["text-completion", "cacheback"] + (["ngram-drafter"] if start < DRAFTER_PROMPTS else [])
+        handles = {name: [runtime.start(wasm[name], _args(p)) for p in wave] for name in names}
+        for name, hs in handles.items():
+            runs[name] += [h.result(timeout=900) for h in hs]
+    return runs
+
+
+def _check_stats(r):
+    s = r.stats
+    assert s["generated_tokens"] == len(r.token_ids)
+    assert 0 <= s["accepted_tokens"] <= s["drafted_tokens"]  # the fold never exceeds the window
+    # each verify pass commits its accepted drafts plus one target token (the last may be cut)
+    assert s["generated_tokens"] <= s["accepted_tokens"] + s["passes"] - 1
+
+
+def test_cacheback_greedy_equals_plain_decoding_on_every_dev_prompt(greedy_runs):
+    refs, got = greedy_runs["text-completion"], greedy_runs["cacheback"]
+    assert len(got) == len(dev_prompts())
+    for i, (r, ref) in enumerate(zip(got, refs)):
+        assert ref.ok and r.ok, (ref.error, r.error)
+        assert r.token_ids == ref.token_ids, f"dev prompt {i}"
+        assert r.text == ref.text
+        _check_stats(r)
+    # prompt lookup pays off somewhere on the dev set: fewer passes than tokens in total
+    assert sum(r.stats["accepted_tokens"] for r in got) > 0
+    assert sum(r.stats["passes"] for r in got) < sum(r.stats["passes"] for r in refs)
+
+
+def test_ngram_drafter_greedy_equals_plain_decoding(greedy_runs):
+    refs, got = greedy_runs["text-completion"], greedy_runs["ngram-drafter"]
+    assert len(got) == DRAFTER_PROMPTS
+    for i, (r, ref) in enumerate(zip(got, refs)):
+        assert r.ok, r.error
+        assert r.token_ids == ref.token_ids, f"dev prompt {i}"
+        _check_stats(r)
+        assert r.stats["drafted_tokens"] > 0
+
+
+def test_draft_len_zero_is_plain_decoding(runtime, text_completion_wasm, cacheback_wasm, ngram_drafter_wasm):
+    prompt = dev_prompts()[1]["prompt"]
+    plain = runtime.start(text_completion_wasm, _args(prompt, 24))
+    hs = [runtime.start(w, _args(prompt, 24, "--draft-len", "0")) for w in (cacheback_wasm, ngram_drafter_wasm)]
+    want = plain.result(timeout=600).token_ids
+    for h in hs:
+        r = h.result(timeout=600)
+        assert r.ok, r.error
+        assert r.token_ids == want
+        assert r.stats["drafted_tokens"] == 0 and r.stats["passes"] == len(want) + 1  # prefill + one per token
+
+
+def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_drafter_wasm):
+    prompt = dev_prompts()[0]["prompt"]
+    other = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "99")
+    jobs = [(w, a) for w in (cacheback_wasm, ngram_drafter_wasm) for a in (SAMPLED, SAMPLED, other)]
+    hs = [runtime.start(w, _args(prompt, 24, *a)) for w, a in jobs]
+    res = [h.result(timeout=600) for h in hs]
+    assert all(r.ok for r in res), [r.error for r in res]
+    for a, b, c in (res[0:3], res[3:6]):
+        assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+        assert c.token_ids != a.token_ids  # another seed draws differently
+        _check_stats(a)
+
+
+def test_cacheback_guest_calls_do_not_grow_with_tokens(runtime, cacheback_wasm):
+    prompt = ("Write a short story about a robot who learns to paint. "
+              "Then retell the same story in exactly the same words.")
+    r = runtime.run(cacheback_wasm, _args(prompt, 320))
+    assert r.ok, r.error
+    assert len(r.token_ids) >= 300  # long enough for the fixed set-up calls to be amortized
+    assert r.stats["guest_calls"] / r.stats["generated_tokens"] < 0.1
+    _check_stats(r)
