@@ -40,7 +40,7 @@ def decode_program(args, eos_ids) -> str:
     p.put("out", tok)
     p.set("window", tok)
     p.fold(p.const(1))
-    done = p.length("out") + 1 >= args.max_tokens
+    done = p.round() + 1 >= args.max_tokens  # one token per round (the host drains "out" as it streams)
     for e in eos_ids:
         done = done | (tok[0] == e)
     p.stop_if(done)

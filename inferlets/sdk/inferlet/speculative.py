@@ -92,7 +92,7 @@ def lru_update(table, stamps, seq, length, leaders, g, k):
 
 def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
                       temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
-                      draft_len_init=None, probe_after=8, verify=None, tracer=None):
+                      draft_len_init=None, probe_after=8, verify=None, start=None, tracer=None):
     """Trace the Cacheback speculative-decoding epilogue.
 
     The guest commits prompt[:-1] to the working set first, then loops a pass whose
@@ -102,6 +102,10 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
 
     temperature <= 0 is greedy. verify(p, drafts, probs, seed) -> (accepted, tokens, count)
     replaces the rejection rule (default p.verify_sample) for sampled runs.
+    start: the working set's frozen length when the loop starts (default len(prompt) - 1).
+    The tokens produced so far are counted as history length - start (every round folds
+    exactly what it emits until the last), not as the length of "out": the guest takes
+    (removes) cells from "out" while the loop runs.
     """
     t = _tracer(tracer)
     K, g, Lw, S = int(draft_len_max), int(lru_ngram), int(lookup_window), int(lru_size)
@@ -136,7 +140,8 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
         n, vt, cnt = rule(p, drafts, x.softmax(), seed)
 
     # Output: cut after the first EOS and at max_tokens in total.
-    out_len = p.length("out")
+    base = len(prompt) - 1 if start is None else int(start)
+    out_len = p.history().size() - base
     room = p.maximum(max_tokens - out_len, 0)
     j = p.arange("W")
     hit = j < 0  # all false, [W]

@@ -1,0 +1,65 @@
+"""cacheback-speculative-decoding: prompt-lookup speculative decoding entirely on the device.
+
+The guest prefills prompt[:-1], traces the Cacheback program (`inferlet.speculative`:
+verify the window [t0, d1..dK] against the target, append the committed tokens to "out",
+fold 1 + accepted rows, draft the next window by prompt lookup / an LRU n-gram table, stop
+at EOS or max-tokens), and starts one looping pass whose window comes from the program's
+"window" channel. Then it only takes the committed tokens from "out" as they arrive: a few
+guest calls for the whole run instead of two per token.
+"""
+
+import wit_world
+from componentize_py_types import Err
+from inferlet import (Channel, ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, emit_channel,
+                      parse_generation_args)
+from inferlet import speculative
+
+EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (1, int)}
+
+
+def generate(args) -> None:
+    model = Model()
+    text = model.chat_prompt([("user", args.prompt)]) if args.chat else args.prompt
+    prompt = model.encode(text)
+    if not prompt:
+        raise UsageError("the prompt is empty; pass --prompt TEXT")
+    K, nmin, nmax = args.extra["draft_len"], args.extra["ngram_min"], args.extra["ngram_max"]
+    if K < 0 or not 1 <= nmin <= nmax:
+        raise UsageError("need --draft-len >= 0 and 1 <= --ngram-min <= --ngram-max")
+    if args.max_tokens == 0:
+        return
+    ws = model.working_set()
+    if len(prompt) > 1:
+        ForwardPass(ws, prompt[:-1]).execute()  # fold all; prompt[-1] is the first window's t0
+    try:
+        program, specs = speculative.cacheback_program(
+            prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            lookup_window=max(256, 2 * K + 2))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    chans = {}
+    for spec in specs:
+        # i32, not u32: the program's cells use -1 as "none"
+        ch = Channel("i32", spec["capacity"])
+        if spec["init"]:
+            ch.put(spec["init"])
+        chans[spec["name"]] = ch
+    emit_channel(chans["out"])  # the host streams what the loop commits: no guest call per round
+    ep = model.register_epilogue(program, chans)
+    ForwardPass(ws, chans["window"], geometry=StateGeometry(K + 1, fold="epilogue"), readout=list(range(K + 1)),
+                epilogue=ep, seed=args.seed).run_loop(args.max_tokens)
+    while chans["out"].take():  # the host emits; this only waits for the loop ([] once it has ended)
+        pass
+    ep.release()
+    for ch in chans.values():
+        ch.release()
+    ws.release()
+
+
+class WitWorld(wit_world.WitWorld):
+    def run(self) -> None:
+        try:
+            generate(parse_generation_args(arguments(), EXTRA))
+        except (PieError, UsageError) as e:
+            raise Err(str(e))

@@ -1,0 +1,173 @@
+"""Write your own drafter: a guest-side drafting interface and the SDK loop that verifies it.
+
+A drafter proposes tokens; the SDK verifies them against the target model and commits what
+the target agrees with, so the output is exactly what plain decoding gives (greedy: token
+for token; sampled: the same distribution, by Leviathan et al.'s rejection rule).
+
+    from inferlet import Model, parse_generation_args, arguments
+    from inferlet.drafter import Drafter, generate
+
+    class MyDrafter(Drafter):
+        def update(self, tokens):          # tokens appended to the context: first the whole
+            ...                            # prompt, then each round's committed tokens
+        def draft(self, context, k):       # up to k guesses of the tokens after `context`
+            return [...]                   # or ([...], [[p_0..p_V-1], ...]) with their
+                                           # draft distributions, for sampled runs
+
+    args = parse_generation_args(arguments(), {"--draft-len": (6, int)})
+    generate(Model(), MyDrafter(), prompt_ids, args, draft_len=args.extra["draft_len"])
+
+One round of `generate` is one forward pass over the window [t0, d1..dk] (t0: the last
+committed token, d: the drafts) at the working set's frozen end with fold 0 and a readout on
+every row, then `WorkingSet.commit(1 + accepted)` freezes t0 and the accepted drafts (their
+KV is already written: nothing is recomputed; rejected rows are overwritten by the next pass).
+
+- Greedy (temperature 0): the readout is the target's argmax per row; accept the longest
+  prefix of drafts equal to it, plus the target's token at the first mismatch (or after
+  the last draft). Three crossings per round: execute, commit, emit; drafting itself is
+  guest-only.
+- Sampled (temperature > 0): the readout is the target's logits rows (expensive: a full
+  vocabulary row per window row crosses the boundary); temperature and top-p are applied
+  here in pure Python and `speculative.verify` decides, with `random.Random(seed)`, so a
+  seeded run repeats exactly.
+
+Output is cut after the first EOS and at --max-tokens exactly as plain decoding cuts it.
+"""
+
+import math
+import random
+
+from .api import ForwardPass, StateGeometry, emit
+from .speculative import verify
+
+
+class Drafter:
+    """Subclass this. Both methods run inside the guest; neither touches the host."""
+
+    def update(self, tokens: list) -> None:
+        """`tokens` were appended to the context: the whole prompt once, then after every
+        round the committed tokens (accepted drafts, then the target's own token)."""
+
+    def draft(self, context: list, k: int):
+        """Guess up to `k` tokens that follow `context` (the prompt and every committed
+        token; do not modify it). Return a list of token ids (may be empty: the round then
+        decodes one token), or (tokens, probs) where probs[i] is the distribution over the
+        vocabulary token i was drawn from; without probs a draft counts as certain (one-hot)."""
+        return []
+
+
+def _probs(row, temperature: float, top_p: float) -> list:
+    """softmax(row / temperature) kept to the smallest top set whose mass reaches top_p
+    (the same nucleus the host sampler uses); unnormalised is fine for verify."""
+    m = max(row)
+    w = [math.exp((x - m) / temperature) for x in row]
+    if top_p < 1.0:
+        total = sum(w)
+        order = sorted(range(len(w)), key=w.__getitem__, reverse=True)
+        keep, acc = [], 0.0
+        for i in order:
+            keep.append(i)
+            acc += w[i]
+            if acc >= top_p * total:
+                break
+        kept = [0.0] * len(w)
+        for i in keep:
+            kept[i] = w[i]
+        w = kept
+    return w
+
+
+class _LazyRows:
+    """Target distributions computed on first use: verify stops at the first rejection, so
+    rows past it are never softmaxed."""
+
+    def __init__(self, flat, rows: int, vocab: int, temperature: float, top_p: float):
+        self._flat, self._rows, self._vocab = flat, rows, vocab
+        self._t, self._p = temperature, top_p
+        self._cache = {}
+
+    def __len__(self):
+        return self._rows
+
+    def __getitem__(self, i):
+        if i not in self._cache:
+            self._cache[i] = _probs(self._flat[i * self._vocab:(i + 1) * self._vocab], self._t, self._p)
+        return self._cache[i]
+
+
+def _split(proposal):
+    if isinstance(proposal, tuple):
+        tokens, probs = proposal
+        return [int(t) for t in tokens], (None if probs is None else list(probs))
+    return [int(t) for t in proposal], None
+
+
+def generate(model, drafter: Drafter, prompt: list, args, draft_len: int = 6, ws=None) -> list:
+    """Speculative decoding with `drafter`; emits the output as it is committed and returns it.
+
+    args: GenerationArgs (max_tokens, temperature, top_p, seed). draft_len: most drafts per
+    round (0: plain decoding). ws: a working set to continue (default: a new one, released
+    at the end); `prompt` goes at its frozen end.
+    """
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    out = []
+    if args.max_tokens <= 0:
+        return out
+    own = ws is None
+    if own:
+        ws = model.working_set()
+    eos = set(model.eos_ids)
+    greedy = args.temperature <= 0
+    rng = random.Random(args.seed)
+    try:
+        if len(prompt) > 1:
+            ForwardPass(ws, prompt[:-1]).execute()  # prefill, fold all; t0 = prompt[-1] opens round one
+        context = list(prompt)
+        drafter.update(list(prompt))
+        t0 = prompt[-1]
+        while len(out) < args.max_tokens:
+            # drafts past the token budget could never be emitted
+            k = max(0, min(int(draft_len), args.max_tokens - len(out) - 1))
+            drafts, dprobs = _split(drafter.draft(context, k)) if k else ([], None)
+            drafts = drafts[:k]
+            if dprobs is not None:
+                if len(dprobs) < len(drafts):
+                    raise ValueError("the drafter returned fewer probability rows than drafts")
+                dprobs = dprobs[:len(drafts)]
+            window = [t0] + drafts
+            fp = ForwardPass(ws, window, StateGeometry(len(window), fold=0), readout=list(range(len(window))))
+            if greedy:
+                target = fp.tokens()
+                n = 0
+                while n < len(drafts) and drafts[n] == target[n]:
+                    n += 1
+                committed = drafts[:n] + [target[n]]
+            else:
+                rows = _LazyRows(fp.logits(), len(window), model.vocab_size, args.temperature, args.top_p)
+                committed = verify(drafts, dprobs, rows, rng)
+                n = len(committed) - 1
+            # cut after the first EOS and at the budget, as plain decoding stops
+            stop = False
+            for i, t in enumerate(committed):
+                if t in eos:
+                    committed, stop = committed[:i + 1], True
+                    break
+            room = args.max_tokens - len(out)
+            if len(committed) >= room:
+                committed, stop = committed[:room], True
+            emit(committed)
+            out += committed
+            # t0 and the accepted drafts (fewer when the output was cut); the target's token
+            # is next round's t0. Also on the last round, so the host's accepted count is whole.
+            ws.commit(min(1 + n, len(committed)))
+            if stop:
+                break
+            context += committed
+            drafter.update(committed)
+            t0 = committed[-1]
+    finally:
+        if own:
+            ws.release()
+    return out
