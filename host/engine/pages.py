@@ -6,6 +6,8 @@ slots rows go to and which pages must be copied; the engine moves the tensors.
 
 from __future__ import annotations
 
+import heapq
+
 from ..errors import PoolExhausted
 
 
@@ -16,7 +18,9 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self._refs = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        # a heap: the lowest free ids go out first, so a sequence's pages tend to be one run of
+        # slots, which attention reads as a view instead of a gather
+        self._free = list(range(num_pages))
 
     @property
     def free_pages(self) -> int:
@@ -32,7 +36,7 @@ class PagePool:
                 f"KV pool exhausted: need {n} more pages of {self.page_size} rows, {len(self._free)} free "
                 f"of {self.num_pages}; release working sets or start with a larger --kv-pages"
             )
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
         return pages
@@ -45,7 +49,7 @@ class PagePool:
         for p in pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                heapq.heappush(self._free, p)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

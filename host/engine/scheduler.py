@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+
+import torch
 from concurrent.futures import Future
 
 from ..errors import InvalidArgument, PieError
@@ -84,6 +86,7 @@ class Scheduler:
             with self._cv:
                 self._loops = [lp for lp in self._loops if not lp.done.done()]
 
+    @torch.inference_mode()  # no autograd bookkeeping on the small epilogue and index ops
     def _step(self, work: list[tuple[Pass, Future]], loops: list[DeviceLoop]) -> None:
         eng = self.engine
         live, loop_passes = [], []
