@@ -29,6 +29,7 @@ class Program:
         self.digest = digest
         self.text = text
         self._bind_ok: set = set()
+        self._consts: dict = {}  # (op index, device, batch) -> tensor: constants are made once, not per round
         self.uses = {i.kind for i in checked.inputs}
         names = {o.name for o in checked.ops}
         self.has_fold = "fold" in names
@@ -146,6 +147,11 @@ class Program:
                 result_stop = args[0]
             elif op.name in ("put", "set"):
                 writes[op.attrs["channel"]] = self._write(op, args, envs, dev)
+            elif op.name == "const":
+                key = (op.index, str(dev), B)
+                if key not in self._consts:
+                    self._consts[key] = kernels.run_op(ctx, op, args)
+                vals.extend(self._consts[key])
             else:
                 vals.extend(kernels.run_op(ctx, op, args))
         results = []
