@@ -42,6 +42,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompts", type=int, default=None, help="first N dev prompts (default: all 46)")
     ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    ap.add_argument("--per-category", type=int, default=None, help="keep the first N prompts of each category")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--inferlets", default=",".join(INFERLETS), help="comma-separated inferlets to run")
@@ -60,6 +61,10 @@ def main(argv=None) -> dict:
     if args.categories:
         keep = set(args.categories.split(","))
         rows = [r for r in rows if r["category"] in keep]
+    if args.per_category:
+        seen: dict[str, int] = {}
+        rows = [r for r in rows if seen.setdefault(r["category"], 0) < args.per_category
+                and not seen.update({r["category"]: seen[r["category"]] + 1})]
     names = [n for n in args.inferlets.split(",") if n]
     wasm = {n: resolve_inferlet(n) for n in names}
     n = args.new_tokens

@@ -57,20 +57,24 @@ def _alias_file(alias: str) -> Path:
     raise ImportFailed(f"package {dist_name} is installed but holds no {filename}; reinstall it")
 
 
-def _resolve_source(source: str) -> tuple[Path, str | None, str]:
-    """Returns (folder, gguf file name or None, default model name)."""
+def _resolve_source(source: str) -> tuple[Path, str | None, str, str]:
+    """Returns (folder, gguf file name or None, default model name, source id).
+
+    The source id says what was imported: the package and file for an alias (wherever the
+    package is installed, e.g. in another checkout's venv), else the resolved path."""
     if source in ALIASES:
         f = _alias_file(source)
-        return f.parent, f.name, source
+        dist_name, filename = ALIASES[source]
+        return f.parent, f.name, source, f"{dist_name}=={metadata.version(dist_name)}:{filename}"
     p = Path(source).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ImportFailed(f"{p} is a folder without config.json: not a Hugging Face model folder")
-        return p, None, p.name
+        return p, None, p.name, str(p.resolve())
     if p.is_file():
         if p.suffix != ".gguf":
             raise ImportFailed(f"{p} is neither a .gguf file nor a model folder")
-        return p.parent, p.name, p.stem
+        return p.parent, p.name, p.stem, str(p.resolve())
     known = ", ".join(sorted(ALIASES))
     raise ImportFailed(f"no model at {source!r}: give an alias ({known}), a Hugging Face model folder or a .gguf file")
 
@@ -91,12 +95,11 @@ def import_model(source: str, name: str | None = None, dtype: str = "auto", draf
     if drafter is not None and drafter not in DRAFTERS:
         avail = ", ".join(sorted(DRAFTERS)) or "none are available yet"
         raise InvalidArgument(f"unknown drafter {drafter!r}: {avail}")
-    folder, gguf, default_name = _resolve_source(source)
+    folder, gguf, default_name, source_id = _resolve_source(source)
     name = _validate_name(name or default_name)
     torch_dtype = resolve_dtype(dtype, resolve_device("auto"))
     dtype_name = str(torch_dtype).removeprefix("torch.")
     dest = models_dir() / name
-    source_id = str(folder / gguf) if gguf else str(folder.resolve())
     if (dest / "pie.json").is_file():
         rec = read_record(name)
         if rec.source == source_id and rec.dtype == dtype_name and rec.drafters == ([drafter] if drafter else []):

