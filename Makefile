@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PIE     := .venv/bin/pie
 STAMPS  := .stamps
-PROMPT  ?= Write a short story about a robot who learns to paint. Then retell the same story in exactly the same words.
+PROMPT  ?= Repeat this paragraph word for word, then say in one sentence what it is about: The Amazon rainforest covers most of the Amazon basin of South America. It is home to millions of species of insects, plants, birds and other forms of life, and its rivers carry a fifth of the fresh water that flows into the oceans.
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test bench inferlets model setup clean
