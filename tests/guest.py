@@ -41,3 +41,18 @@ class Chan:
 
     def cells(self):
         return self.buf[: self.count].tolist()
+
+
+def plain_greedy(eng, prompt, n):
+    """Reference: n tokens of greedy autoregressive decoding, one engine pass per token."""
+    from host.engine import Pass
+
+    ws = eng.new_working_set()
+    (out,) = eng.forward([Pass(ws, prompt, [len(prompt) - 1])])
+    toks = []
+    for _ in range(n):
+        t = int(out.logits[-1].argmax())
+        toks.append(t)
+        (out,) = eng.forward([Pass(ws, [t], [0])])
+    eng.release(ws)
+    return toks

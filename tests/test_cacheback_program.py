@@ -17,7 +17,7 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 
-from guest import Chan, trace
+from guest import Chan, plain_greedy, trace
 from guest import speculative as spec
 
 REPETITIVE = [5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9]
@@ -53,18 +53,6 @@ def run(eng, prompt, **kw):
         sched.close()
     assert all(0 <= f <= w for w, f in folds)
     return channels["out"].cells(), stats, folds, loop
-
-
-def plain_greedy(eng, prompt, n):
-    ws = eng.new_working_set()
-    (out,) = eng.forward([Pass(ws, prompt, [len(prompt) - 1])])
-    toks = []
-    for _ in range(n):
-        t = int(out.logits[-1].argmax())
-        toks.append(t)
-        (out,) = eng.forward([Pass(ws, [t], [0])])
-    eng.release(ws)
-    return toks
 
 
 def adapt_ok(folds, K, k_init, probe_after=8):

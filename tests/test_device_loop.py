@@ -10,7 +10,7 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 
-from guest import Chan, trace
+from guest import Chan, plain_greedy, trace
 
 
 def greedy_program(limit: int, eos: int) -> str:
@@ -23,18 +23,6 @@ def greedy_program(limit: int, eos: int) -> str:
     p.fold(p.const(1))
     p.stop_if((tok[0] == eos) | (p.length("out") + 1 >= limit))
     return p.to_json()
-
-
-def plain_greedy(eng, prompt, n):
-    ws = eng.new_working_set()
-    (out,) = eng.forward([Pass(ws, prompt, [len(prompt) - 1])])
-    toks = []
-    for _ in range(n):
-        t = int(out.logits[-1].argmax())
-        toks.append(t)
-        (out,) = eng.forward([Pass(ws, [t], [0])])
-    eng.release(ws)
-    return toks
 
 
 def start_greedy_loop(sched, eng, prompt, limit, rounds=1000):

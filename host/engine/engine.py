@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import BadHandle, ContextOverflow, InvalidArgument, PieError
+from ..errors import ContextOverflow, InvalidArgument, PieError
 from . import attention
 from .pages import PagePool
 from .working_set import WorkingSet
@@ -206,9 +206,7 @@ class Engine:
                 return results  # type: ignore[return-value]
             outs = self.run(batch)
             for i, first, out in zip(ok, batch.first_positions, outs):
-                ps = passes[i]
-                fold = ps.window if ps.fold is None else ps.fold
-                self.commit(ps, first, fold, self._host_tokens(ps.tokens))
+                self.commit_known(passes[i], first)
                 results[i] = out
         return results  # type: ignore[return-value]
 
@@ -297,8 +295,7 @@ class Engine:
     def commit(self, ps: Pass, first_position: int, fold: int, tokens: list[int]) -> None:
         ps.ws.commit(tokens, fold, first_position)
 
-    def check_ws(self, ws) -> WorkingSet:
-        if not isinstance(ws, WorkingSet):
-            raise BadHandle("not a working set")
-        ws.check_alive()
-        return ws
+    def commit_known(self, ps: Pass, first_position: int) -> None:
+        """Commit a pass whose fold was given up front (None: the whole window)."""
+        fold = ps.window if ps.fold is None else ps.fold
+        self.commit(ps, first_position, fold, self._host_tokens(ps.tokens))

@@ -113,7 +113,7 @@ class Scheduler:
             for i, (ps, fut) in enumerate(work):
                 if i in by_index:
                     first, out = by_index[i]
-                    eng.commit(ps, first, ps.window if ps.fold is None else ps.fold, eng._host_tokens(ps.tokens))
+                    eng.commit_known(ps, first)
                     fut.set_result(out)
                 else:
                     fut.set_exception(errors[i])
