@@ -61,9 +61,9 @@ def adapt_ok(folds, K, k_init, probe_after=8):
     for (w, f), (w_next, _) in zip(folds, folds[1:]):
         d, n = w - 1, f - 1
         if d and n == d:
-            kcur = min(kcur + 1, K)
+            kcur = min(max(2 * kcur, 1), K)
         elif d and 2 * n < d:
-            kcur = max(kcur - 1, 0)
+            kcur = n
         idle = idle + 1 if kcur == 0 else 0
         if idle >= probe_after:
             kcur, idle = 1, 0

@@ -150,3 +150,42 @@ def test_tracer_rejects_bad_dim_alias():
         trace.Program(readout="readout")
     with pytest.raises(trace.TraceError):
         trace.Program(readout="bogus")
+
+
+def test_lru_update_group_semantics_by_hand():
+    """The documented rule on a worked example: the last of equal leaders counts, surplus new
+    leaders drop the earliest, a refreshed row is never the one evicted, stamps go up in order."""
+    prog = lru_program(2, 1, 1, 5)
+    table, stamps = [-1] * 4, [-1] * 2
+    seq = [5, 6, 5, 7, 8]  # leaders 5->6, 6->5, 5->7, 7->8: three distinct, two rows
+    want = ([5, 7, 7, 8], [0, 1])
+    assert ref.lru_update(table, stamps, seq, 5, 4, 1, 1) == want
+    env = Env(channels={"table": chan(table), "stamps": chan(stamps), "seq": chan(seq), "key": chan([7]),
+                        "args": chan([5, 4]), "found": chan([0, 0]), "table2": chan(table), "stamps2": chan(stamps)})
+    r = prog.run([env])[0]
+    assert (r.channels["table2"].buf.tolist(), r.channels["stamps2"].buf.tolist()) == want
+    # 7 is refreshed (row 1), so the new leader 9 evicts row 0 although row 1 was older before
+    assert ref.lru_update([5, 7, 7, 8], [1, 0], [7, 9, 4, 1, 1], 4, 2, 1, 1) == ([9, 4, 7, 9], [3, 2])
+
+
+def test_lru_update_of_a_slice_before_the_history_leaves_the_table_alone():
+    """A dyn_slice the host knows lies wholly before the history is all padding, so the update
+    is skipped; the table must come out exactly as the full update would leave it."""
+    S, g, k = 4, 2, 3
+    table, stamps = ref.lru_update([-1] * (S * (g + k)), [-1] * S, [1, 2, 3, 4, 5, 6], 6, 6, g, k)
+    outs = {}
+    for start in (-20, 0):  # -20: all padding (skipped); 0: the real update
+        p = trace.Program()
+        p.channel("table", "i64", S * (g + k))
+        p.channel("stamps", "i64", S)
+        h = p.history()
+        t, st = p.read("table"), p.read("stamps")
+        seq = p.dyn_slice(h, start, h.size() - p.const(1) + h[0] * 0, size=8)  # a device length
+        t2, s2 = p.lru_update(t, st, seq, p.const(8), p.const(8), g, k)
+        p.set("table", t2)
+        p.set("stamps", s2)
+        chans = {"table": chan(table), "stamps": chan(stamps)}
+        compile_program(p.to_json()).run([Env(history=torch.tensor([7, 8, 9, 7, 8, 4]), channels=chans)])
+        outs[start] = (chans["table"].buf.tolist(), chans["stamps"].buf.tolist())
+    assert outs[-20] == (table, stamps)
+    assert outs[0] != (table, stamps)  # the same program with real tokens does write

@@ -124,6 +124,29 @@ def test_pack_and_dyn_slice_with_device_lengths():
     assert got[3].tolist() == [1, 0, -1, -1]
 
 
+def test_pack_and_dyn_slice_host_offsets_equal_device_offsets():
+    """Offsets the host knows (constants) take a copy path; the same offsets as device values
+    take the gather path: both must give the same cells for every in- and out-of-range case,
+    also when only the start is known to the host."""
+    hist = torch.tensor([11, 12, 13, 14, 15])
+    cases = [(s, n) for s in (-3, -1, 0, 2, 4, 6) for n in (-1, 0, 2, 5, 9)]
+    results = {}
+    for start_on_host, len_on_host in ((True, True), (True, False), (False, False)):
+        p = Program()
+        h = p.history()
+        nums = p.concat(h, p.const(list(range(-3, 10))))  # nums[8 + v] == v, computed on the device
+
+        def val(v, on_host):
+            return p.const(v) if on_host else nums[8 + v]
+
+        outs = [p.dyn_slice(h, val(s, start_on_host), val(n, len_on_host), size=4) for s, n in cases]
+        outs += [p.pack(h, val(s, start_on_host), h, val(n, len_on_host), size=7) for s, n in cases]
+        results[start_on_host, len_on_host] = [g.tolist() for g in values(p, *outs, history=hist)]
+    want = results[False, False]
+    assert want[cases.index((2, 2))] == [13, 14, -1, -1]
+    assert results[True, True] == want and results[True, False] == want
+
+
 def ngram_ref(h, k, lo, hi):
     L = len(h)
     for n in range(hi, lo - 1, -1):
@@ -212,15 +235,19 @@ def test_batched_equals_unbatched_and_groups_by_shape():
     p.channel("o", "i64", 8)
     p.put("o", t)
     prog = compile_program(p.to_json())
-    envs = []
-    for i, R in enumerate([2, 2, 3, 2]):
-        envs.append(Env(logits=torch.randn(R, 11), seed=100 + i, round=i,
-                        channels={"o": SimpleChannel.empty(8)}))
-    together = prog.run(envs)
-    alone = [prog.run([e])[0] for e in envs]
+    logits = [torch.randn(R, 11) for R in [2, 2, 3, 2]]
+
+    def envs():  # fresh channels for each run: the executor writes them in place
+        return [Env(logits=lg, seed=100 + i, round=i, channels={"o": SimpleChannel.empty(8)})
+                for i, lg in enumerate(logits)]
+
+    together = prog.run(envs())
+    alone = [prog.run([e])[0] for e in envs()]
     for a, b in zip(together, alone):
+        assert a.channels["o"].buf is not b.channels["o"].buf
         assert torch.equal(a.channels["o"].buf, b.channels["o"].buf)
-        assert torch.equal(a.channels["o"].length, b.channels["o"].length)
+    for a, b, lg in zip(together, alone, logits):
+        assert int(a.channels["o"].length) == int(b.channels["o"].length) == lg.shape[0]
 
 
 def test_sampling_deterministic_per_seed_and_round():

@@ -37,19 +37,19 @@ class BatchMeta:
     groups: list[Group]
 
 
-def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], ctx: list[list[int]],
-               contiguous: bool, whole: bool) -> Group:
-    """contiguous: a single pass whose context slots are one run; whole: the group is the entire batch."""
-    b, wmax, lmax = len(windows), max(windows), max(len(c) for c in ctx)
-    ctx_t = ctx_range = None
-    if b == 1 and contiguous:
-        ctx_range = (ctx[0][0], ctx[0][-1] + 1)
-    else:
+def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], lengths: list[int],
+               ctx: list[list[int]] | None, ctx_range: tuple[int, int] | None, whole: bool) -> Group:
+    """lengths: each pass's context length (frozen + window). ctx: each pass's context slots, or
+    None with ctx_range for a single pass whose context is one run of slots; whole: the group
+    is the entire batch."""
+    b, wmax, lmax = len(windows), max(windows), max(lengths)
+    ctx_t = None
+    if ctx is not None:
         ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
     mask = q_index = q_valid = rows = None
     if b > 1 or wmax > 1:
         fz = torch.tensor(frozen, device=dev)
-        cl = torch.tensor([len(c) for c in ctx], device=dev)
+        cl = torch.tensor(lengths, device=dev)
         qi = torch.arange(wmax, device=dev)
         kj = torch.arange(lmax, device=dev)
         # key j is visible to window row i iff j <= frozen + i (causal), and j is a real row
@@ -102,14 +102,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2), None
 
 
-def no_mask(*args, **kwargs):
-    """Masks are built per batch by the engine; transformers' own mask is not needed."""
-    return None
-
-
 def register() -> None:
+    """Register the hook. No mask function is registered on purpose: for an attention
+    implementation without one, transformers skips its own mask preparation (the engine
+    builds masks per batch), including a per-call scan of position ids for packed sequences."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, paged_attention)
-    AttentionMaskInterface.register(NAME, no_mask)

@@ -16,6 +16,7 @@ import torch
 from ..errors import ContextOverflow, InvalidArgument, PieError
 from . import attention
 from .pages import PagePool
+from .readout import Readout
 from .working_set import WorkingSet
 
 
@@ -125,7 +126,7 @@ class Engine:
             device=str(self.device), drafters=list(drafters or []),
         )
         self._decoder = model.get_decoder()
-        self._lm_head = model.get_output_embeddings()
+        self._lm_head = Readout(model.get_output_embeddings())
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self._ids = itertools.count(1)
         self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
@@ -238,20 +239,19 @@ class Engine:
     def _build(self, passes: list[Pass]) -> Batch:
         dev = self.device
         firsts = [ps.ws.next_position for ps in passes]
-        pos, slots, ctx, readout, splits = [], [], [], [], []
+        pos, slots, readout, splits = [], [], [], []
         offset = 0
         for ps, first in zip(passes, firsts):
             w, f = ps.window, ps.ws.frozen
             pos.extend(range(first, first + w))
             slots.extend(ps.ws.slots(f, f + w))
-            ctx.append(ps.ws.slots(0, f + w))
             readout.extend(offset + r for r in ps.readout)
             splits.append(len(ps.readout))
             offset += w
         tok = [torch.tensor(ps.tokens, dtype=torch.long) if isinstance(ps.tokens, list) else ps.tokens.to(torch.long)
                for ps in passes]
         input_ids = (torch.cat(tok) if len(tok) > 1 else tok[0]).to(dev)
-        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), self._groups(passes, ctx))
+        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), self._groups(passes))
         return Batch(passes, firsts, input_ids, torch.tensor(pos, device=dev), meta,
                      torch.tensor(readout, device=dev, dtype=torch.long), splits)
 
@@ -259,18 +259,28 @@ class Engine:
     # their own, so one long prompt does not pad every decode row of the batch to its length.
     SMALL_WINDOW = 16
 
-    def _groups(self, passes: list[Pass], ctx: list[list[int]]) -> list[attention.Group]:
+    def _groups(self, passes: list[Pass]) -> list[attention.Group]:
         starts = list(itertools.accumulate((ps.window for ps in passes), initial=0))[:-1]
         small = [i for i, ps in enumerate(passes) if ps.window <= self.SMALL_WINDOW]
         sets = ([small] if small else []) + [[i] for i, ps in enumerate(passes) if ps.window > self.SMALL_WINDOW]
         whole = len(sets) == 1
         groups = []
         for idx in sets:
-            pages = passes[idx[0]].ws.pages
-            contiguous = len(idx) == 1 and pages == list(range(pages[0], pages[0] + len(pages)))
+            ws = passes[idx[0]].ws
+            end = ws.frozen + passes[idx[0]].window
+            used = ws.pages[:-(-end // self.pool.page_size)]
+            if len(idx) == 1 and used == list(range(used[0], used[0] + len(used))):
+                # one pass whose context is one run of pool slots: attention reads a view
+                first = used[0] * self.pool.page_size
+                ctx = None
+                ctx_range = (first, first + end)
+            else:
+                ctx = [passes[i].ws.slots(0, passes[i].ws.frozen + passes[i].window) for i in idx]
+                ctx_range = None
             groups.append(attention.make_group(
                 self.device, [starts[i] for i in idx], [passes[i].window for i in idx],
-                [passes[i].ws.frozen for i in idx], [ctx[i] for i in idx], contiguous, whole))
+                [passes[i].ws.frozen for i in idx], [passes[i].ws.frozen + passes[i].window for i in idx],
+                ctx, ctx_range, whole))
         return groups
 
     @torch.inference_mode()

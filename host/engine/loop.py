@@ -102,74 +102,101 @@ class DeviceLoop:
 
 
 def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device) -> list:
-    """Run each loop's epilogue on its pass's outputs; returns per loop (fold, stop, writes) device values."""
-    from ..epilogue import Env, SimpleChannel, apply_writes
-
-    from ..epilogue import Result
+    """Run each loop's epilogue on its pass's outputs; channels are written in place on the device.
+    Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device values)."""
+    from ..epilogue import Env, Result, SimpleChannel
 
     envs, progs = [], []
     for loop, ps, out in zip(loops, passes, outs):
-        chans = {name: SimpleChannel(ch.buf, torch.tensor(ch.count, dtype=torch.int64, device=device))
-                 for name, ch in loop.channels.items()}
+        chans = {name: SimpleChannel(ch.buf, ch.count) for name, ch in loop.channels.items()}
         hist = None
         if loop.program is not None and "history" in loop.program.uses:
             hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)  # host->device, no sync
         envs.append(Env(logits=out.logits, window=ps.tokens, history=hist, hidden=out.hidden,
                         channels=chans, seed=loop.seed, round=loop.round))
         progs.append(loop.program)
-    results: list = [None] * len(loops)
+    results: list = [Result()] * len(loops)
     by_prog: dict[int, list[int]] = {}
     for i, p in enumerate(progs):
-        if p is None:
-            results[i] = (Result(), envs[i].channels)
-        else:
+        if p is not None:
             by_prog.setdefault(id(p), []).append(i)
     for idx in by_prog.values():
         for i, res in zip(idx, progs[idx[0]].run([envs[i] for i in idx])):
-            apply_writes(res, envs[i].channels)
-            results[i] = (res, envs[i].channels)
+            results[i] = res
     return results
 
 
 def readback(loops: list[DeviceLoop], passes: list[Pass], results: list, device) -> list[dict]:
-    """The one host transfer per batch: folds, stops, channel lengths, window tokens, and the
-    new cells of channels that stream to the client (a channel with a `sink`)."""
-    parts, spans = [], []
-    for loop, ps, (res, chans) in zip(loops, passes, results):
+    """The one host transfer per batch: the folds, stops and channel lengths that the epilogues left
+    on the device, window tokens, and the new cells of channels that stream to the client (a
+    channel with a `sink`). Values the host already knows (a constant fold, the length after a
+    write without a device count) are not transferred."""
+    parts: list[torch.Tensor] = []
+
+    def later(x, many: bool = False):
+        """x itself if the host knows it, else a slot in the transfer."""
+        if x is None or isinstance(x, (int, bool, list)):
+            return x
+        parts.append(x.reshape(-1).to(torch.int64))
+        return _Slot(len(parts) - 1, many)
+
+    plans = []
+    for loop, ps, res in zip(loops, passes, results):
         if loop.fold_channel is not None:
-            fold = loop.fold_channel.buf[:1].to(torch.int64)  # read after the epilogue wrote it
+            fold = later(loop.fold_channel.buf[:1])  # read after the epilogue wrote it
         elif loop.fixed_fold is not None:
-            fold = torch.tensor([ps.window if loop.fixed_fold < 0 else loop.fixed_fold], device=device)
-        elif res.fold is not None:
-            fold = res.fold.reshape(1)
+            fold = ps.window if loop.fixed_fold < 0 else loop.fixed_fold
         else:
-            fold = torch.tensor([ps.window], device=device)
-        stop = res.stop.reshape(1).to(torch.int64) if res.stop is not None else torch.zeros(1, dtype=torch.int64, device=device)
-        lengths = [chans[name].length.reshape(1) for name in loop.channels]
-        parts += [fold, stop, *lengths, ps.tokens.to(torch.int64)]
-        span = {}
-        for name, ch in loop.channels.items():
-            if getattr(ch, "sink", None) is not None:
-                # a round appends at most a window's worth in practice; more is read separately below
-                span[name] = (ch.count, min(ch.capacity - ch.count, 2 * loop.max_window + 8))
-                parts.append(ch.buf[ch.count:ch.count + span[name][1]].to(torch.int64))
-        spans.append(span)
-    flat = torch.cat(parts).tolist()  # the sync: page bookkeeping needs folds and lengths on the host
-    out, i = [], 0
-    for loop, ps, span in zip(loops, passes, spans):
-        fold, stop = flat[i], bool(flat[i + 1])
-        i += 2
-        lengths = dict(zip(loop.channels, flat[i:i + len(loop.channels)]))
-        i += len(loop.channels)
-        tokens = flat[i:i + ps.window]
-        i += ps.window
+            fold = ps.window if res.fold is None else later(res.fold)
+        stop = later(res.stop) if res.stop is not None else False
+        lengths = {name: later(res.channels[name].length) if name in res.channels else ch.count
+                   for name, ch in loop.channels.items()}
         streamed = {}
-        for name, (start, bound) in span.items():
-            new = lengths[name] - start
-            cells = flat[i:i + min(new, bound)]
-            if new > bound:
-                cells += loop.channels[name].buf[start + bound:lengths[name]].tolist()
-            streamed[name] = cells
-            i += bound
-        out.append({"fold": fold, "stop": stop, "lengths": lengths, "tokens": tokens, "streamed": streamed})
+        for name, ch in loop.channels.items():
+            if getattr(ch, "sink", None) is None:
+                continue
+            n = lengths[name]
+            # a device length: read a bounded span now (a round appends at most a window's worth
+            # in practice) and the rest, if any, separately below
+            end = n if isinstance(n, int) else min(ch.capacity, ch.count + 2 * loop.max_window + 8)
+            streamed[name] = later(ch.buf[ch.count:end], many=True)
+        plans.append((fold, stop, lengths, later(ps.tokens, many=True), streamed))
+    # the sync: page bookkeeping needs folds and lengths on the host
+    flat = _transfer(parts)
+    out = []
+    for loop, (fold, stop, lengths, tokens, streamed) in zip(loops, plans):
+        lengths = {k: _get(flat, v) for k, v in lengths.items()}
+        cells = {}
+        for name, slot in streamed.items():
+            ch, n = loop.channels[name], lengths[name]
+            got = _get(flat, slot)[:max(n - ch.count, 0)]
+            if ch.count + len(got) < n:
+                got += ch.buf[ch.count + len(got):n].tolist()
+            cells[name] = got
+        out.append({"fold": _get(flat, fold), "stop": bool(_get(flat, stop)), "lengths": lengths,
+                    "tokens": _get(flat, tokens), "streamed": cells})
     return out
+
+
+class _Slot:
+    __slots__ = ("i", "many")
+
+    def __init__(self, i: int, many: bool):
+        self.i, self.many = i, many
+
+
+def _transfer(parts: list[torch.Tensor]) -> list[list[int]]:
+    if not parts:
+        return []
+    flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+    out, i = [], 0
+    for p in parts:
+        out.append(flat[i:i + p.shape[0]])
+        i += p.shape[0]
+    return out
+
+
+def _get(flat: list[list[int]], x):
+    if isinstance(x, _Slot):
+        return flat[x.i] if x.many else flat[x.i][0]
+    return x

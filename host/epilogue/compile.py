@@ -19,6 +19,22 @@ from host.epilogue.ir import ProgramError
 from host.epilogue.validate import Checked, _slice_len, check
 
 _CACHE_SIZE = 256
+_CONSTS_MAX = 512  # shape-only values kept per program (history lengths vary)
+_SHAPE_ONLY = ("const", "full", "arange", "size")
+
+
+def _wrap(x: int) -> int:  # i64 arithmetic wraps as it does on the device
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+_HOST_OPS = {
+    "add": lambda a, b: _wrap(a + b), "sub": lambda a, b: _wrap(a - b), "mul": lambda a, b: _wrap(a * b),
+    "minimum": min, "maximum": max, "neg": lambda a: _wrap(-a), "abs": lambda a: _wrap(abs(a)),
+    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "and": lambda a, b: bool(a and b),
+    "or": lambda a, b: bool(a or b), "xor": lambda a, b: bool(a) != bool(b), "not": lambda a: not a,
+    "where": lambda c, a, b: a if c else b,
+}
 
 
 class Program:
@@ -36,6 +52,14 @@ class Program:
         self.has_stop = "stop" in names
         self.writes = [o.attrs["channel"] for o in checked.ops if o.name in ("put", "set")]
         self.reads = sorted({i.channel for i in checked.inputs if i.channel})
+        self._by_syms: dict[tuple, list] = {}
+        for op in checked.ops:
+            self._by_syms.setdefault(self._op_syms(op), []).append(op)
+        # ops that may run on the host: scalar i64/bool results of simple integer ops
+        self._host_fn = {op.index: _HOST_OPS[op.name] for op in checked.ops
+                         if op.name in _HOST_OPS and len(op.outs) == 1
+                         and not checked.values[op.outs[0]].shape
+                         and checked.values[op.outs[0]].dtype in ("i64", "bool")}
 
     # --- binding -------------------------------------------------------------
     def _bind(self, env: Env) -> dict[str, int]:
@@ -76,31 +100,45 @@ class Program:
             cap = self.checked.channels[name].capacity
             if ch.buf.dim() != 1 or ch.buf.shape[0] != cap:
                 raise ProgramError(f"channel {name!r} has capacity {tuple(ch.buf.shape)}; the epilogue declares {cap}")
-        key = tuple(sorted(bind.items()))
-        if key in self._bind_ok:
-            return
-        # Resolve every static shape under this binding (host ints only).
-        for op in self.checked.ops:
-            for o in op.outs:
-                for d in self.checked.values[o].shape:
-                    if d.sym is not None and d.sym not in bind:
-                        raise ProgramError(f"op {op.index} ({op.name}): dim {d.sym} is unknown for this pass")
-                    if d.resolve(bind) < 0:
-                        raise ProgramError(f"op {op.index} ({op.name}): dim {d} is negative for this pass")
-            if op.name in ("slice", "index"):
-                x = self.checked.values[op.args[0]]
-                ax = op.attrs.get("axis", 0) % len(x.shape)
-                n = x.shape[ax].resolve(bind)
-                if op.name == "index" and not -n <= op.attrs["i"] < n:
-                    raise ProgramError(f"op {op.index} (index): index {op.attrs['i']} out of range {n}")
-                if op.name == "slice":
-                    got = _slice_len("", ir.Dim.of(n), op.attrs.get("start"), op.attrs.get("stop")).off
-                    want = self.checked.values[op.outs[0]].shape[ax].resolve(bind)
-                    if got != want:
-                        raise ProgramError(f"op {op.index} (slice): window of {n} is too short for this slice")
+        # Resolve every static shape under this binding (host ints only), once per distinct value
+        # of the symbols each op's shapes use: a history length that grows every round re-checks
+        # only the ops that depend on N.
+        if len(self._bind_ok) > _CONSTS_MAX:
+            self._bind_ok.clear()
+        for syms, ops in self._by_syms.items():
+            key = (syms, tuple(bind.get(x) for x in syms))
+            if key not in self._bind_ok:
+                for op in ops:
+                    self._check_op(op, bind)
+                self._bind_ok.add(key)
         if self.has_fold and "W" not in bind:
             raise ProgramError("epilogue sets fold but the pass gives no window length")
-        self._bind_ok.add(key)
+
+    def _op_syms(self, op) -> tuple[str, ...]:
+        dims = [d for o in op.outs for d in self.checked.values[o].shape]
+        if op.name in ("slice", "index"):
+            x = self.checked.values[op.args[0]]
+            dims.append(x.shape[op.attrs.get("axis", 0) % len(x.shape)])
+        return tuple(sorted({d.sym for d in dims if d.sym is not None}))
+
+    def _check_op(self, op, bind: dict[str, int]) -> None:
+        for o in op.outs:
+            for d in self.checked.values[o].shape:
+                if d.sym is not None and d.sym not in bind:
+                    raise ProgramError(f"op {op.index} ({op.name}): dim {d.sym} is unknown for this pass")
+                if d.resolve(bind) < 0:
+                    raise ProgramError(f"op {op.index} ({op.name}): dim {d} is negative for this pass")
+        if op.name in ("slice", "index"):
+            x = self.checked.values[op.args[0]]
+            ax = op.attrs.get("axis", 0) % len(x.shape)
+            n = x.shape[ax].resolve(bind)
+            if op.name == "index" and not -n <= op.attrs["i"] < n:
+                raise ProgramError(f"op {op.index} (index): index {op.attrs['i']} out of range {n}")
+            if op.name == "slice":
+                got = _slice_len("", ir.Dim.of(n), op.attrs.get("start"), op.attrs.get("stop")).off
+                want = self.checked.values[op.outs[0]].shape[ax].resolve(bind)
+                if got != want:
+                    raise ProgramError(f"op {op.index} (slice): window of {n} is too short for this slice")
 
     # --- execution -----------------------------------------------------------
     def run(self, envs: Sequence[Env], keep_values: bool = False) -> list[Result]:
@@ -134,67 +172,212 @@ class Program:
         B = len(envs)
         dev = self._device(envs[0])
         ctx = kernels.Ctx(B, dev, bind, [e.seed for e in envs], [e.round for e in envs], c.values)
-        vals: list[torch.Tensor] = []
-        for inp in c.inputs:
-            vals.append(self._input(inp, envs, dev))
-        result_fold = result_stop = None
-        writes: dict[str, tuple] = {}
+        # Scalar i64/bool values the host knows (the round, channel lengths, constants, sizes and
+        # integer arithmetic on them) are computed in Python, per pass: a tensor is made only when
+        # a device op needs one, so a stop test on the round, say, costs no device op at all.
+        host: dict[int, list] = {}
+        vals: list[torch.Tensor | None] = []
+        for i, inp in enumerate(c.inputs):
+            if inp.kind == "round":
+                host[i] = [e.round for e in envs]
+            elif inp.kind == "channel_len":
+                host[i] = [host_length(e.channels[inp.channel]) for e in envs]
+            vals.append(None if i in host else self._input(inp, envs, dev))
+
+        def tensor(i: int) -> torch.Tensor:
+            if vals[i] is None:
+                vals[i] = torch.tensor(host[i], dtype=kernels.TORCH_DTYPE[c.values[i].dtype], device=dev)
+            return vals[i]
+
+        fold = stop = None
+        writes: dict[str, list] = {}
+        blank: set[int] = set()  # values the host knows are all padding (-1)
         for op in c.ops:
-            args = [vals[a] for a in op.args]
             if op.name == "fold":
-                result_fold = args[0].clamp(0, bind["W"])  # also proven <= W at validation; clamp is cheap
+                W = bind["W"]
+                fold = [min(max(v, 0), W) for v in host[op.args[0]]] if op.args[0] in host \
+                    else tensor(op.args[0]).clamp(0, W)
             elif op.name == "stop":
-                result_stop = args[0]
+                stop = host.get(op.args[0]) or tensor(op.args[0])
             elif op.name in ("put", "set"):
-                writes[op.attrs["channel"]] = self._write(op, args, envs, dev)
-            elif op.name == "const":
-                key = (op.index, str(dev), B)
-                if key not in self._consts:
-                    self._consts[key] = kernels.run_op(ctx, op, args)
-                vals.extend(self._consts[key])
+                writes[op.attrs["channel"]] = self._write(op, [tensor(a) for a in op.args], envs)
+            elif op.name in _SHAPE_ONLY:  # depends on nothing but the binding: made once per shape
+                key = (op.index, str(dev), B, self._shape_key(op, bind))
+                got = self._consts.get(key)
+                if got is None:
+                    if len(self._consts) > _CONSTS_MAX:
+                        self._consts.clear()
+                    got = self._consts[key] = (kernels.run_op(ctx, op, []), self._host_const(op, bind))
+                if got[1] is not None:
+                    host[len(vals)] = [got[1]] * B
+                vals.extend(got[0])
+            elif op.name == "dyn_slice" and op.args[1] in host:
+                ln = host.get(op.args[2])
+                out, empty = self._dyn_slice(op, tensor(op.args[0]), host[op.args[1]],
+                                             ln if ln is not None else tensor(op.args[2]))
+                if empty and kernels._fill_of(op, c.values[op.outs[0]].dtype) < 0:
+                    blank.add(len(vals))
+                vals.append(out)
+            elif op.name == "lru_update" and op.args[2] in blank:
+                # every token of seq is padding: no leader qualifies, the table is unchanged
+                vals.extend([tensor(op.args[0]), tensor(op.args[1])])
+            elif op.name == "pack" and op.args[1] in host:
+                yl = host.get(op.args[3])
+                vals.append(self._pack(op, tensor(op.args[0]), host[op.args[1]], tensor(op.args[2]),
+                                       yl if yl is not None else tensor(op.args[3])))
+            elif op.index in self._host_fn and (r := self._on_host(op, host, B)) is not None:
+                if r[0] == "host":
+                    host[len(vals)] = r[1]
+                    vals.append(None)
+                else:  # the op is the identity on one device operand (x | False, x & True)
+                    vals.append(tensor(r[1]))
             else:
-                vals.extend(kernels.run_op(ctx, op, args))
+                vals.extend(kernels.run_op(ctx, op, [tensor(a) for a in op.args]))
         results = []
         for b in range(B):
-            r = Result(fold=None if result_fold is None else result_fold[b],
-                       stop=None if result_stop is None else result_stop[b])
-            for name, (buf, ln, ov) in writes.items():
-                r.channels[name] = ChannelWrite(buf[b], ln[b], ov[b])
+            r = Result(fold=None if fold is None else fold[b], stop=None if stop is None else stop[b])
+            for name, per_env in writes.items():
+                length, overflow = per_env[b]
+                r.channels[name] = ChannelWrite(envs[b].channels[name].buf, length, overflow)
             if keep:
-                r.values = [v[b] for v in vals]
+                r.values = [tensor(i)[b] for i in range(len(vals))]
             results.append(r)
         return results
+
+    # dyn_slice and pack with host-known offsets: copies of contiguous runs, no index tensors
+    def _filled(self, op, x: torch.Tensor) -> torch.Tensor:
+        fill = kernels._fill_of(op, self.checked.values[op.outs[0]].dtype)
+        return torch.full((x.shape[0], op.attrs["size"]), fill, dtype=x.dtype, device=x.device)
+
+    def _dyn_slice(self, op, x: torch.Tensor, starts: list, lengths) -> tuple[torch.Tensor, bool]:
+        """Returns the slice and whether it is all fill (the host knows then, whatever the length)."""
+        out, n, size = self._filled(op, x), x.shape[1], op.attrs["size"]
+        empty = True
+        for b, st in enumerate(starts):
+            ln = lengths[b] if isinstance(lengths, list) else size
+            j0, j1 = max(0, -st), min(size, ln, n - st)
+            if j1 <= j0:
+                continue
+            empty = False
+            if isinstance(lengths, list):
+                out[b, j0:j1] = x[b, st + j0:st + j1]
+            else:  # a device length: cells past it keep the fill
+                keep = self._arange(size, x.device)[j0:j1] < lengths[b]
+                out[b, j0:j1] = torch.where(keep, x[b, st + j0:st + j1], out[b, j0:j1])
+        return out, empty
+
+    def _pack(self, op, x: torch.Tensor, xl: list, y: torch.Tensor, yl) -> torch.Tensor:
+        out, size = self._filled(op, x), op.attrs["size"]
+        for b, la in enumerate(xl):
+            a = min(max(la, 0), x.shape[1], size)
+            out[b, :a] = x[b, :a]
+            m = min(y.shape[1], size - a)
+            if isinstance(yl, list):
+                m = min(m, max(yl[b], 0))
+                out[b, a:a + m] = y[b, :m]
+            elif m > 0:  # a device length: cells past it keep the fill
+                keep = self._arange(m, y.device) < yl[b]
+                out[b, a:a + m] = torch.where(keep, y[b, :m], out[b, a:a + m])
+        return out
+
+    def _host_const(self, op, bind):
+        """The host value of a scalar i64/bool const or size, else None."""
+        v = self.checked.values[op.outs[0]]
+        if v.shape or v.dtype not in ("i64", "bool"):
+            return None
+        if op.name == "const":
+            return op.attrs["value"]
+        if op.name == "size":
+            x = self.checked.values[op.args[0]]
+            return x.shape[op.attrs.get("axis", 0) % len(x.shape)].resolve(bind)
+        return None
+
+    def _on_host(self, op, host: dict, B: int):
+        """("host", per-pass values) when a scalar integer op's operands are all on the host;
+        ("same", arg) when the op passes one device operand through unchanged; else None."""
+        f = self._host_fn[op.index]
+        known = [a in host for a in op.args]
+        if all(known):
+            return "host", [f(*xs) for xs in zip(*(host[a] for a in op.args))]
+        if op.name in ("or", "and") and any(known):
+            k, d = (op.args[0], op.args[1]) if known[0] else (op.args[1], op.args[0])
+            vals = host[k]
+            if not self.checked.values[d].shape and all(v == vals[0] for v in vals):
+                if bool(vals[0]) == (op.name == "or"):
+                    return "host", [bool(vals[0])] * B  # x | True, x & False
+                return "same", d
+        return None
+
+    def _shape_key(self, op, bind: dict[str, int]) -> tuple:
+        """What a shape-only op's result depends on: its resolved output shape (and, for size,
+        the dim it measures)."""
+        dims = [d.resolve(bind) for d in self.checked.values[op.outs[0]].shape]
+        if op.name == "size":
+            x = self.checked.values[op.args[0]]
+            dims.append(x.shape[op.attrs.get("axis", 0) % len(x.shape)].resolve(bind))
+        return tuple(dims)
 
     def _input(self, inp, envs: list[Env], dev) -> torch.Tensor:
         k = inp.kind
         if k == "round":
             return torch.tensor([e.round for e in envs], dtype=torch.int64, device=dev)
+        if k == "channel_len":
+            return torch.tensor([host_length(e.channels[inp.channel]) for e in envs], dtype=torch.int64, device=dev)
         if k == "channel":
             dt = kernels.TORCH_DTYPE[self.checked.channels[inp.channel].dtype]
-            return torch.stack([e.channels[inp.channel].buf for e in envs]).to(dt)
-        if k == "channel_len":
-            return torch.stack([e.channels[inp.channel].length.reshape(()) for e in envs]).to(torch.int64)
-        t = torch.stack([getattr(e, k) for e in envs])
-        return t.to(torch.int64) if k in ("window", "history") else t.to(torch.float32)
+            bufs = [e.channels[inp.channel].buf for e in envs]
+            if len(bufs) > 1:
+                return torch.stack(bufs).to(dt)  # stack copies
+            t = bufs[0].unsqueeze(0).to(dt)
+            # the program writes this channel in place later on: read a copy of the old cells
+            return t.clone() if inp.channel in self.writes and t.data_ptr() == bufs[0].data_ptr() else t
+        ts = [getattr(e, k) for e in envs]
+        t = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
+        want = torch.int64 if k in ("window", "history") else torch.float32
+        return t if t.dtype == want else t.to(want)
 
-    def _write(self, op, args, envs: list[Env], dev):
-        name = op.attrs["channel"]
-        chans = [e.channels[name] for e in envs]
-        old = torch.stack([ch.buf for ch in chans])
-        old_len = torch.stack([ch.length.reshape(()) for ch in chans]).to(torch.int64)
-        vals = args[0].to(old.dtype)
-        B, C = old.shape
+    def _write(self, op, args, envs: list[Env]) -> list[tuple]:
+        """Write each env's channel in place; returns per env (length, overflow).
+
+        Where a cell goes depends only on the channel's length at the start of the round, a
+        host int, so a write without a count is one copy and its new length is a host int;
+        with a device count the cells past it keep their old contents (a select) and the new
+        length stays on the device until the batch's readback."""
+        vals = args[0]
+        cnt = args[1] if len(args) > 1 else None
         M = vals.shape[1]
-        cnt = torch.full((B,), M, dtype=torch.int64, device=dev) if len(args) == 1 else args[1].clamp(0, M)
-        j = torch.arange(C, device=dev).unsqueeze(0)
-        src = j - old_len.unsqueeze(1) if op.name == "put" else j.expand(B, C)
-        take = (src >= 0) & (src < cnt.unsqueeze(1))
-        if M:
-            new = torch.where(take, vals.gather(1, src.clamp(0, M - 1)), old)
-        else:
-            new = old.clone()
-        total = old_len + cnt if op.name == "put" else cnt
-        return new, total.clamp(max=C), total > C
+        out = []
+        for b, env in enumerate(envs):
+            ch = env.channels[op.attrs["channel"]]
+            C = ch.buf.shape[0]
+            start = host_length(ch) if op.name == "put" else 0
+            m = max(min(M, C - start), 0)  # cells that fit
+            dst = ch.buf[start:start + m]
+            src = vals[b, :m].to(ch.buf.dtype)
+            if cnt is None:
+                dst.copy_(src)
+                out.append((start + m, M > m))
+                continue
+            n = cnt[b].clamp(0, M)
+            if m:
+                keep = self._arange(m, ch.buf.device) < n
+                dst.copy_(torch.where(keep, src, dst))
+            out.append((start + torch.clamp(n, max=m), n > m))
+        return out
+
+    def _arange(self, n: int, dev) -> torch.Tensor:
+        key = ("arange", n, str(dev))
+        t = self._consts.get(key)
+        if t is None:
+            t = self._consts[key] = torch.arange(n, device=dev)
+        return t
+
+
+def host_length(ch) -> int:
+    """A channel's length as a host int. The device loop always passes host counts; a 0-d
+    tensor length (stand-alone use of the executor) is read here, which syncs."""
+    n = ch.length
+    return n if isinstance(n, int) else int(n)
 
 
 _cache: "OrderedDict[str, Program]" = OrderedDict()

@@ -1,8 +1,10 @@
 """What the executor reads per pass (Env) and what it hands back (Result).
 
 Channels are duck-typed (DeviceChannel): any object with `.buf`, a 1-D device
-tensor whose length is the channel's capacity, and `.length`, a 0-d int64
-device tensor. The runtime's guest-facing channels adapt to this.
+tensor whose length is the channel's capacity, and `.length`, the number of cells
+in use: a host int (what the device loop passes: it knows every length after its
+readback) or a 0-d int64 tensor (read on the host, a sync). The executor writes
+channel buffers in place; a Result carries the new lengths.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 class DeviceChannel(Protocol):
     buf: torch.Tensor  # [capacity], any of int32/int64/float32/bool
-    length: torch.Tensor  # 0-d int64
+    length: int | torch.Tensor  # a host int, or a 0-d int64 tensor
 
 
 @dataclass
@@ -23,12 +25,11 @@ class SimpleChannel:
     """A minimal DeviceChannel (tests, and a reference for adapters)."""
 
     buf: torch.Tensor
-    length: torch.Tensor
+    length: int | torch.Tensor
 
     @staticmethod
     def empty(capacity: int, dtype=torch.int64, device="cpu") -> "SimpleChannel":
-        return SimpleChannel(torch.zeros(capacity, dtype=dtype, device=device),
-                             torch.zeros((), dtype=torch.int64, device=device))
+        return SimpleChannel(torch.zeros(capacity, dtype=dtype, device=device), 0)
 
 
 @dataclass
@@ -53,24 +54,23 @@ class Env:
 
 @dataclass
 class ChannelWrite:
-    buf: torch.Tensor  # [capacity] in the channel buffer's dtype: the full new contents
-    length: torch.Tensor  # 0-d int64: the new length
-    overflow: torch.Tensor  # 0-d bool: cells were dropped because the channel was full
+    buf: torch.Tensor  # the channel's buffer, already written in place
+    length: int | torch.Tensor  # the new length: a host int where the host can know it, else 0-d int64
+    overflow: bool | torch.Tensor  # cells were dropped because the channel was full
 
 
 @dataclass
 class Result:
-    """Device tensors only; reading any of them on the host is the one sync per batch."""
+    """Host values where the program fixes them (a constant fold), else device tensors;
+    reading those on the host is the one sync per batch."""
 
-    fold: torch.Tensor | None = None  # 0-d int64, clamped to [0, W]
+    fold: int | torch.Tensor | None = None  # clamped to [0, W]
     stop: torch.Tensor | None = None  # 0-d bool
     channels: dict[str, ChannelWrite] = field(default_factory=dict)
     values: list[torch.Tensor] | None = None  # every SSA value, when run(keep_values=True)
 
 
 def apply_writes(result: Result, channels: Mapping[str, DeviceChannel]) -> None:
-    """Copy a result's channel writes into the channels, in place, on the device (no sync)."""
+    """Give the channels their new lengths (the cells were written in place by the run)."""
     for name, w in result.channels.items():
-        ch = channels[name]
-        ch.buf.copy_(w.buf)
-        ch.length.copy_(w.length)
+        channels[name].length = w.length

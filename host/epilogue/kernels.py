@@ -319,34 +319,50 @@ def lru_lookup(table: torch.Tensor, stamps: torch.Tensor, key: torch.Tensor, g: 
 
 def lru_update(table: torch.Tensor, stamps: torch.Tensor, seq: torch.Tensor, length: torch.Tensor,
                leaders: torch.Tensor, g: int, k: int):
-    """Insert or refresh, in order, the leaders seq[i : i+g] for i < leaders that have a follower,
-    with followers seq[i+g : min(i+g+k, length)]. A refresh overwrites the
-    entry's followers; an insert takes an empty slot or evicts the least recently used entry.
-    Each write stamps the entry max(stamps)+1. Leaders with a negative token (padding) are
-    skipped and followers stop at the first negative token. Sequential over the static
-    positions of seq (evictions depend on earlier inserts), vectorised over B and S."""
+    """Write the leaders seq[i : i+g], i < leaders, that have a follower, with followers
+    seq[i+g : min(i+g+k, length)] (cut at the first negative token), as one group: of equal
+    leaders the last counts; a leader already in the table refreshes its row; new leaders take,
+    in order, the empty rows and then the least recently stamped rows this update does not
+    refresh (when there are more new leaders than such rows, the earliest are dropped).
+    Written rows are stamped max(stamps)+1, +2, ... in sequence order. No loop over positions:
+    a fixed number of ops whatever the sequence length."""
     B, S = stamps.shape
     n = seq.shape[1]
     dev = seq.device
-    rows, st = table.view(B, S, g + k).clone(), stamps.clone()
-    if n < g + 1:
-        return [rows.reshape(B, -1), st]
+    if n < g + 1 or S == 0:
+        return [table.clone(), stamps.clone()]
+    rows = table.view(B, S, g + k)
     L = length.clamp(0, n).unsqueeze(1)
     padded = torch.cat([seq, torch.full((B, k), -1, dtype=seq.dtype, device=dev)], 1)
     ends = torch.arange(g - 1, n - 1, device=dev)  # leader end positions with room for a follower
+    E = ends.shape[0]
     leads = padded.unfold(1, g, 1)[:, ends - g + 1]  # [B, E, g]
     pos = ends.view(-1, 1) + 1 + torch.arange(k, device=dev)  # [E, k]
     fols = padded[:, pos]  # [B, E, k]
     ok = ((fols >= 0) & (pos < L.unsqueeze(1))).to(torch.int64).cumprod(-1).bool()
-    fols = torch.where(ok, fols, torch.full_like(fols, -1))
+    fols = torch.where(ok, fols, -1)
     active = ok[..., 0] & (leads >= 0).all(-1) & (ends - g + 1 < leaders.unsqueeze(1))  # [B, E]
-    entries = torch.cat([leads, fols], -1)  # [B, E, g+k]
-    slots = torch.arange(S, device=dev).unsqueeze(0)
-    for j in range(ends.shape[0]):
-        lead = leads[:, j]
-        match = (st >= 0) & (rows[..., :g] == lead.unsqueeze(1)).all(-1)
-        slot = torch.where(match.any(-1), match.to(torch.int64).argmax(-1), st.argmin(-1))
-        hit = (slots == slot.unsqueeze(1)) & active[:, j : j + 1]  # [B, S]
-        rows = torch.where(hit.unsqueeze(-1), entries[:, j].unsqueeze(1), rows)
-        st = torch.where(hit, st.amax(-1, keepdim=True) + 1, st)
-    return [rows.reshape(B, -1), st]
+    # the last active occurrence of each leader wins
+    same = (leads.unsqueeze(2) == leads.unsqueeze(1)).all(-1)  # [B, E, E]
+    later = torch.ones(E, E, dtype=torch.bool, device=dev).triu(1)
+    eff = active & ~(same & later & active.unsqueeze(1)).any(-1)
+    match = (stamps >= 0).unsqueeze(1) & (rows[..., :g].unsqueeze(1) == leads.unsqueeze(2)).all(-1)  # [B, E, S]
+    found = match.any(-1)
+    hit, new = eff & found, eff & ~found
+    hit_slot = match.to(torch.int64).argmax(-1)
+    refreshed = torch.zeros(B, S + 1, dtype=torch.bool, device=dev).scatter(
+        1, torch.where(hit, hit_slot, S), True)[:, :S]
+    # rows new leaders may take: empty, then least recently stamped; refreshed rows last
+    order = torch.where(refreshed, stamps.amax(-1, keepdim=True) + 1, stamps).sort(dim=-1, stable=True).indices
+    n_free = S - refreshed.sum(-1, keepdim=True)
+    rank = new.to(torch.int64).cumsum(-1) - 1
+    drop = (new.sum(-1, keepdim=True) - n_free).clamp(min=0)
+    new = new & (rank >= drop)
+    new_slot = order.gather(1, (rank - drop).clamp(0, S - 1))
+    write = hit | new
+    slot = torch.where(hit, hit_slot, torch.where(new, new_slot, S))  # S: a spare row, dropped below
+    stamp = stamps.amax(-1, keepdim=True) + write.to(torch.int64).cumsum(-1)
+    out_rows = torch.cat([rows, rows.new_zeros(B, 1, g + k)], 1)
+    out_rows.scatter_(1, slot.unsqueeze(-1).expand(B, E, g + k), torch.cat([leads, fols], -1))
+    out_st = torch.cat([stamps, stamps.new_zeros(B, 1)], 1).scatter(1, slot, stamp)
+    return [out_rows[:, :S].reshape(B, -1), out_st[:, :S]]

@@ -579,8 +579,8 @@ def _infer_lru(where, name, av: list[Value], attrs, need, rank) -> list[Value]:
     seq, length, leaders = av[2], av[3], av[4]
     rank(seq, 1), rank(length, 0), rank(leaders, 0)
     n = seq.shape[0]
-    if not n.known or n.off > 4096:
-        _fail(where, f"seq {seq} must have a static length <= 4096 (the update visits each position in turn)")
+    if not n.known or n.off > 1024:
+        _fail(where, f"seq {seq} must have a static length <= 1024 (the update compares every pair of positions)")
     return [Value("i64", table.shape), Value("i64", stamps.shape)]
 
 

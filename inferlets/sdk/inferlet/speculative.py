@@ -69,22 +69,35 @@ def lru_lookup(table, stamps, key, g, k):
 def lru_update(table, stamps, seq, length, leaders, g, k):
     """The IR's lru_update on flat lists; returns new (table, stamps)."""
     table, stamps = list(table), list(stamps)
+    S, w = len(stamps), g + k
     length = max(0, min(length, len(seq)))
+    last = {}  # leader -> (position, followers): the last occurrence counts
     for i in range(max(0, min(leaders, len(seq) - g))):
-        lead = list(seq[i:i + g])
+        lead = tuple(seq[i:i + g])
         fol = []
         for x in seq[i + g:min(i + g + k, length)]:
             if x < 0:
                 break
             fol.append(x)
-        if not fol or min(lead) < 0:
+        if fol and min(lead) >= 0:
+            last.pop(lead, None)
+            last[lead] = fol  # re-inserted: dict order is the order of last occurrence
+    slot_of = {tuple(table[s * w:s * w + g]): s for s in range(S) if stamps[s] >= 0}
+    refreshed = {slot_of[lead] for lead in last if lead in slot_of}
+    free = sorted((s for s in range(S) if s not in refreshed), key=lambda s: (stamps[s], s))
+    new = [lead for lead in last if lead not in slot_of]
+    dropped = set(new[:max(0, len(new) - len(free))])
+    top, r, written = max(stamps, default=-1), 0, 0
+    for lead, fol in last.items():
+        if lead in dropped:
             continue
-        slot = next((s for s, st in enumerate(stamps)
-                     if st >= 0 and table[s * (g + k):s * (g + k) + g] == lead), None)
-        if slot is None:
-            slot = min(range(len(stamps)), key=lambda s: (stamps[s], s))
-        table[slot * (g + k):(slot + 1) * (g + k)] = lead + fol + [-1] * (k - len(fol))
-        stamps[slot] = max(stamps) + 1
+        if lead in slot_of:
+            s = slot_of[lead]
+        else:
+            s, r = free[r], r + 1
+        written += 1
+        table[s * w:(s + 1) * w] = list(lead) + fol + [-1] * (k - len(fol))
+        stamps[s] = top + written
     return table, stamps
 
 
@@ -196,15 +209,16 @@ def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
 
 
 def _adapt(p, d, n, K, probe_after):
-    """Channel "spec_state" = [draft length, rounds spent at 0]. Grow by one when every draft
-    was accepted, shrink by one when fewer than half were; after probe_after rounds at 0,
-    try one draft again. Returns this round's new draft length."""
+    """Channel "spec_state" = [draft length, rounds spent at 0]. Double when every draft was
+    accepted; drop to the accepted count when fewer than half were (a verify row costs a few
+    percent of a pass on a CPU, so rejected drafts must stop quickly); after probe_after rounds
+    at 0, try one draft again. Returns this round's new draft length."""
     p.channel("spec_state", "i64", 2)
     st = p.read("spec_state")
     kcur, idle = st[0], st[1]
     drafted = d > 0
-    k_after = p.where(drafted & (n == d), p.minimum(kcur + 1, K),
-                      p.where(drafted & (n * 2 < d), p.maximum(kcur - 1, 0), kcur))
+    k_after = p.where(drafted & (n == d), p.minimum(p.maximum(kcur * 2, 1), K),
+                      p.where(drafted & (n * 2 < d), n, kcur))
     idle2 = p.where(k_after == 0, idle + 1, 0)
     probe = idle2 >= probe_after
     k_next = p.where(probe, 1, k_after)
