@@ -248,12 +248,15 @@ class Engine:
             readout.extend(offset + r for r in ps.readout)
             splits.append(len(ps.readout))
             offset += w
-        tok = [torch.tensor(ps.tokens, dtype=torch.long) if isinstance(ps.tokens, list) else ps.tokens.to(torch.long)
-               for ps in passes]
-        input_ids = (torch.cat(tok) if len(tok) > 1 else tok[0]).to(dev)
-        meta = attention.BatchMeta(self.kv, torch.tensor(slots, device=dev), self._groups(passes))
-        return Batch(passes, firsts, input_ids, torch.tensor(pos, device=dev), meta,
-                     torch.tensor(readout, device=dev, dtype=torch.long), splits)
+        tok = [torch.tensor(ps.tokens, dtype=torch.long, device=dev) if isinstance(ps.tokens, list)
+               else ps.tokens if ps.tokens.dtype == torch.long and ps.tokens.device == dev
+               else ps.tokens.to(dev, torch.long) for ps in passes]
+        input_ids = torch.cat(tok) if len(tok) > 1 else tok[0]
+        # positions and slots in one host->device copy
+        idx = torch.tensor(pos + slots + readout, device=dev)
+        n, t = len(readout), len(pos)
+        meta = attention.BatchMeta(self.kv, idx[t:2 * t], self._groups(passes))
+        return Batch(passes, firsts, input_ids, idx[:t], meta, idx[2 * t:2 * t + n], splits)
 
     # Windows up to this many rows share one padded attention call; longer ones (prefills) get
     # their own, so one long prompt does not pad every decode row of the batch to its length.

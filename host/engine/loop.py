@@ -77,6 +77,7 @@ class DeviceLoop:
     stats: LoopStats = field(default_factory=LoopStats)
     done: Future = field(default_factory=Future)
     on_round: object | None = None  # callback(loop, window, fold) after each round's bookkeeping
+    _locks: list | None = None
 
     def next_pass(self) -> Pass | None:
         n = self.embed.count
@@ -90,8 +91,10 @@ class DeviceLoop:
         return Pass(self.ws, self.embed.buf[:n].clone(), rows, fold=0, hidden=self.hidden)
 
     def locks(self) -> list:
-        chans = {id(c): c for c in [*self.channels.values(), self.embed, self.fold_channel] if c is not None}
-        return [chans[k].lock for k in sorted(chans)]
+        if self._locks is None:  # the channels are fixed for the loop's life
+            chans = {id(c): c for c in [*self.channels.values(), self.embed, self.fold_channel] if c is not None}
+            self._locks = [chans[k].lock for k in sorted(chans)]
+        return self._locks
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done.done():
@@ -137,7 +140,8 @@ def readback(loops: list[DeviceLoop], passes: list[Pass], results: list, device)
         """x itself if the host knows it, else a slot in the transfer."""
         if x is None or isinstance(x, (int, bool, list)):
             return x
-        parts.append(x.reshape(-1).to(torch.int64))
+        x = x if x.dim() == 1 else x.reshape(-1)
+        parts.append(x if x.dtype == torch.int64 else x.to(torch.int64))
         return _Slot(len(parts) - 1, many)
 
     plans = []

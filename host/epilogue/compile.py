@@ -353,15 +353,15 @@ class Program:
             start = host_length(ch) if op.name == "put" else 0
             m = max(min(M, C - start), 0)  # cells that fit
             dst = ch.buf[start:start + m]
-            src = vals[b, :m].to(ch.buf.dtype)
+            src = vals[b, :m]
             if cnt is None:
-                dst.copy_(src)
+                dst.copy_(src)  # copy_ converts to the buffer's dtype
                 out.append((start + m, M > m))
                 continue
             n = cnt[b].clamp(0, M)
             if m:
                 keep = self._arange(m, ch.buf.device) < n
-                dst.copy_(torch.where(keep, src, dst))
+                dst.copy_(torch.where(keep, src.to(dst.dtype), dst))
             out.append((start + torch.clamp(n, max=m), n > m))
         return out
 
