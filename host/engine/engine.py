@@ -269,21 +269,17 @@ class Engine:
         whole = len(sets) == 1
         groups = []
         for idx in sets:
-            ws = passes[idx[0]].ws
-            end = ws.frozen + passes[idx[0]].window
-            used = ws.pages[:-(-end // self.pool.page_size)]
+            ends = [passes[i].ws.frozen + passes[i].window for i in idx]  # each pass's context length
+            used = passes[idx[0]].ws.pages[:-(-ends[0] // self.pool.page_size)]
             if len(idx) == 1 and used == list(range(used[0], used[0] + len(used))):
                 # one pass whose context is one run of pool slots: attention reads a view
                 first = used[0] * self.pool.page_size
-                ctx = None
-                ctx_range = (first, first + end)
+                ctx, ctx_range = None, (first, first + ends[0])
             else:
-                ctx = [passes[i].ws.slots(0, passes[i].ws.frozen + passes[i].window) for i in idx]
-                ctx_range = None
+                ctx, ctx_range = [passes[i].ws.slots(0, end) for i, end in zip(idx, ends)], None
             groups.append(attention.make_group(
                 self.device, [starts[i] for i in idx], [passes[i].window for i in idx],
-                [passes[i].ws.frozen for i in idx], [passes[i].ws.frozen + passes[i].window for i in idx],
-                ctx, ctx_range, whole))
+                [passes[i].ws.frozen for i in idx], ends, ctx, ctx_range, whole))
         return groups
 
     @torch.inference_mode()

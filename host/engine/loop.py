@@ -129,7 +129,7 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
     return results
 
 
-def readback(loops: list[DeviceLoop], passes: list[Pass], results: list, device) -> list[dict]:
+def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list[dict]:
     """The one host transfer per batch: the folds, stops and channel lengths that the epilogues left
     on the device, window tokens, and the new cells of channels that stream to the client (a
     channel with a `sink`). Values the host already knows (a constant fold, the length after a

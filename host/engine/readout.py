@@ -11,7 +11,6 @@ product up to float summation order. Elsewhere (CUDA, other dtypes) the module r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 MAX_SKINNY = 64  # beyond this many rows plain `linear` is as fast (prefill readouts)
 

@@ -137,7 +137,7 @@ class Scheduler:
                 stack.enter_context(lk)
             try:
                 results = run_epilogues(loops, passes, [r[3] for r in ran], eng.device)
-                backs = readback(loops, passes, results, eng.device)
+                backs = readback(loops, passes, results)
             except PieError as e:
                 for lp in loops:
                     lp.finish(e)

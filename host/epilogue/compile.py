@@ -45,7 +45,9 @@ class Program:
         self.digest = digest
         self.text = text
         self._bind_ok: set = set()
-        self._consts: dict = {}  # (op index, device, batch) -> tensor: constants are made once, not per round
+        # (op index, device, batch, resolved shape) -> (values, host scalar or None), and cached
+        # aranges: shape-only values are made once, not per round
+        self._consts: dict = {}
         self.uses = {i.kind for i in checked.inputs}
         names = {o.name for o in checked.ops}
         self.has_fold = "fold" in names
@@ -288,8 +290,7 @@ class Program:
         if op.name == "const":
             return op.attrs["value"]
         if op.name == "size":
-            x = self.checked.values[op.args[0]]
-            return x.shape[op.attrs.get("axis", 0) % len(x.shape)].resolve(bind)
+            return self._measured(op, bind)
         return None
 
     def _on_host(self, op, host: dict, B: int):
@@ -313,16 +314,16 @@ class Program:
         the dim it measures)."""
         dims = [d.resolve(bind) for d in self.checked.values[op.outs[0]].shape]
         if op.name == "size":
-            x = self.checked.values[op.args[0]]
-            dims.append(x.shape[op.attrs.get("axis", 0) % len(x.shape)].resolve(bind))
+            dims.append(self._measured(op, bind))
         return tuple(dims)
 
+    def _measured(self, op, bind: dict[str, int]) -> int:
+        """The dim a size op measures, under this binding."""
+        x = self.checked.values[op.args[0]]
+        return x.shape[op.attrs.get("axis", 0) % len(x.shape)].resolve(bind)
+
     def _input(self, inp, envs: list[Env], dev) -> torch.Tensor:
-        k = inp.kind
-        if k == "round":
-            return torch.tensor([e.round for e in envs], dtype=torch.int64, device=dev)
-        if k == "channel_len":
-            return torch.tensor([host_length(e.channels[inp.channel]) for e in envs], dtype=torch.int64, device=dev)
+        k = inp.kind  # round and channel_len are host values (see _run_batch)
         if k == "channel":
             dt = kernels.TORCH_DTYPE[self.checked.channels[inp.channel].dtype]
             bufs = [e.channels[inp.channel].buf for e in envs]

@@ -21,10 +21,7 @@ EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (2, in
 
 def generate(args) -> None:
     model = Model()
-    text = model.chat_prompt([("user", args.prompt)]) if args.chat else args.prompt
-    prompt = model.encode(text)
-    if not prompt:
-        raise UsageError("the prompt is empty; pass --prompt TEXT")
+    prompt = model.prompt_tokens(args)
     K, nmin, nmax = args.extra["draft_len"], args.extra["ngram_min"], args.extra["ngram_max"]
     if K < 0 or not 1 <= nmin <= nmax:
         raise UsageError("need --draft-len >= 0 and 1 <= --ngram-min <= --ngram-max")

@@ -39,10 +39,7 @@ class NgramDrafter(Drafter):
 
 def run(args) -> None:
     model = Model()
-    text = model.chat_prompt([("user", args.prompt)]) if args.chat else args.prompt
-    prompt = model.encode(text)
-    if not prompt:
-        raise UsageError("the prompt is empty; pass --prompt TEXT")
+    prompt = model.prompt_tokens(args)
     k, n = args.extra["draft_len"], args.extra["ngram_max"]
     if k < 0 or n < 1:
         raise UsageError("need --draft-len >= 0 and --ngram-max >= 1")

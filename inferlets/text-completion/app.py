@@ -68,10 +68,7 @@ def generate(args) -> None:
     if mode not in ("device", "guest"):
         raise UsageError(f"--loop must be device or guest, not {mode!r}")
     model = Model()
-    text = model.chat_prompt([("user", args.prompt)]) if args.chat else args.prompt
-    prompt = model.encode(text)
-    if not prompt:
-        raise UsageError("the prompt is empty; pass --prompt TEXT")
+    prompt = model.prompt_tokens(args)
     if args.max_tokens == 0:
         return
     ws = model.working_set()

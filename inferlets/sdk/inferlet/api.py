@@ -11,6 +11,8 @@ from wit_world.imports import runtime as _rt
 from wit_world.imports import tokenizer as _tok
 from wit_world.imports import working_sets as _ws
 
+from .args import UsageError
+
 
 class PieError(Exception):
     """A host call failed; `code` is the WIT error-code name (e.g. 'bad-handle')."""
@@ -62,6 +64,14 @@ class Model:
 
     def encode(self, text: str) -> list:
         return _tok.encode(text)
+
+    def prompt_tokens(self, args) -> list:
+        """The tokens of args.prompt (GenerationArgs), in the chat template when args.chat."""
+        text = self.chat_prompt([("user", args.prompt)]) if args.chat else args.prompt
+        tokens = self.encode(text)
+        if not tokens:
+            raise UsageError("the prompt is empty; pass --prompt TEXT")
+        return tokens
 
     def decode(self, tokens) -> str:
         return _call(_tok.decode, list(tokens))
