@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ..errors import ContextOverflow, InvalidArgument, PieError
 from . import attention
 from .pages import PagePool
+from .linear import PackedLinears
 from .readout import Readout
 from .working_set import WorkingSet
 
@@ -127,6 +129,7 @@ class Engine:
         )
         self._decoder = model.get_decoder()
         self._lm_head = Readout(model.get_output_embeddings())
+        self.linears = PackedLinears(self._decoder)
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self._ids = itertools.count(1)
         self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
@@ -284,11 +287,10 @@ class Engine:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[PassOutput]:
-        import time
-
         t0 = time.perf_counter()
-        out = self._decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                            use_cache=False, pie_batch=batch.meta)
+        with self.linears.active():
+            out = self._decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                use_cache=False, pie_batch=batch.meta)
         hidden = out.last_hidden_state[0].index_select(0, batch.readout_index)
         logits = self._lm_head(hidden).float()
         if self._softcap:
