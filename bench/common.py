@@ -27,9 +27,28 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def timed(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on the compute thread, and its wall time (the thread hand-off included)."""
     t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
+    out = on_compute(fn, *args, **kwargs)
     return out, time.perf_counter() - t0
+
+
+def on_compute(fn, *args, **kwargs):
+    """Run model work on the process's compute thread, as the engine does (host/engine/compute.py):
+    a baseline run on another thread would pay libgomp's thread hand-offs and skew the comparison."""
+    from host.engine.compute import compute
+
+    return compute().call(fn, *args, **kwargs)
+
+
+def load_hf(engine):
+    """A separate stock transformers instance of the engine's model, for the HF baselines."""
+    from transformers import AutoModelForCausalLM
+
+    from host import store
+
+    path = store.read_record(engine.info.name).path
+    return on_compute(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype).to(engine.device).eval())
 
 
 def machine() -> dict:

@@ -19,7 +19,7 @@ import torch
 from host import store
 from host.engine import Pass
 
-from .common import chat_ids, load_prompts, machine, table, timed, write
+from .common import chat_ids, load_hf, load_prompts, machine, on_compute, table, timed, write
 
 
 def engine_greedy(engine, prompts: list[list[int]], n: int, stop_at_eos: bool = True) -> list[list[int]]:
@@ -70,17 +70,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="batch-8 runs per contender (median)")
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM
-
     engine = store.open_engine(args.model, device="auto", dtype=args.dtype, kv_pages=1024)
-    rec = store.read_record(engine.info.name)
-    hf = AutoModelForCausalLM.from_pretrained(rec.path, dtype=engine.dtype).to(engine.device).eval()
+    hf = load_hf(engine)
     tok = engine.tokenizer
     rows = load_prompts(args.prompts)
     ids = [chat_ids(tok, r["prompt"]) for r in rows]
     n = args.new_tokens
-    engine_greedy(engine, ids[:1], 4)  # warm-up both
-    hf_greedy(hf, tok, ids[:1], 4)
+    on_compute(engine_greedy, engine, ids[:1], 4)  # warm-up both
+    on_compute(hf_greedy, hf, tok, ids[:1], 4)
 
     result = {"benchmark": "engine_vs_hf", "model": engine.info.name, "dtype": engine.info.dtype,
               "device": engine.info.device, "prompts": [r["id"] for r in rows], "new_tokens": n, "machine": machine()}

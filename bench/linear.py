@@ -19,7 +19,7 @@ import torch
 from host import store
 from host.engine.engine import Pass
 
-from .common import machine, table, write
+from .common import machine, on_compute, table, write
 
 
 def main(argv=None) -> dict:
@@ -29,6 +29,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args(argv)
+    return on_compute(_run, args)  # all model work on the compute thread, as in the engine
+
+
+def _run(args) -> dict:
     engine = store.open_engine(args.model, kv_pages=256)
     if not engine.linears.count:
         raise SystemExit(f"the packed path does not apply here ({engine.info.dtype} on {engine.info.device})")

@@ -15,7 +15,7 @@ import statistics
 
 from host import store
 
-from .common import chat_ids, load_prompts, machine, table, write
+from .common import chat_ids, load_hf, load_prompts, machine, table, write
 from .spec import hf_run
 
 
@@ -27,14 +27,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM
-
     from host.runtime.cli import resolve_inferlet
     from host.runtime.runtime import Runtime
 
     engine = store.open_engine(args.model, dtype=args.dtype, kv_pages=1024)
-    hf = AutoModelForCausalLM.from_pretrained(store.read_record(engine.info.name).path,
-                                              dtype=engine.dtype).to(engine.device).eval()
+    hf = load_hf(engine)
     tok = engine.tokenizer
     wasm = resolve_inferlet("text-completion")
     rows = load_prompts(args.prompts)

@@ -19,7 +19,7 @@ import torch
 
 from host import store
 
-from .common import RESULTS, chat_ids, geomean, load_prompts, machine, table, write
+from .common import RESULTS, chat_ids, geomean, load_hf, load_prompts, machine, on_compute, table, write
 
 INFERLETS = {
     "text-completion": [],
@@ -28,8 +28,12 @@ INFERLETS = {
 }
 
 
-@torch.inference_mode()
 def hf_run(model, tokenizer, ids: list[int], n: int, **kw) -> tuple[list[int], float]:
+    return on_compute(_hf_run, model, tokenizer, ids, n, **kw)
+
+
+@torch.inference_mode()
+def _hf_run(model, tokenizer, ids, n, **kw):
     x = torch.tensor([ids], device=model.device)
     t0 = time.perf_counter()
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
@@ -48,14 +52,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--inferlets", default=",".join(INFERLETS), help="comma-separated inferlets to run")
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM
-
     from host.runtime.cli import resolve_inferlet
     from host.runtime.runtime import Runtime
 
     engine = store.open_engine(args.model, device="auto", dtype=args.dtype, kv_pages=1024)
-    hf = AutoModelForCausalLM.from_pretrained(store.read_record(engine.info.name).path,
-                                              dtype=engine.dtype).to(engine.device).eval()
+    hf = load_hf(engine)
     tok = engine.tokenizer
     rows = load_prompts(args.prompts)
     if args.categories:

@@ -87,7 +87,14 @@ def _validate_name(name: str) -> str:
 
 def import_model(source: str, name: str | None = None, dtype: str = "auto", drafter: str | None = None,
                  progress: bool = True) -> tuple[ModelRecord, bool]:
-    """Convert SOURCE into the store. Returns (record, created); idempotent for the same source and dtype."""
+    """Convert SOURCE into the store. Returns (record, created); idempotent for the same source and dtype.
+    Runs on the compute thread, like all model work (host/engine/compute.py)."""
+    from .engine.compute import compute
+
+    return compute().call(_import_model, source, name, dtype, drafter, progress)
+
+
+def _import_model(source, name, dtype, drafter, progress):
     from tqdm.auto import tqdm
 
     from .engine import resolve_device, resolve_dtype
@@ -171,7 +178,14 @@ def remove_model(name: str) -> None:
 
 
 def open_engine(model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
-    """Load a store model onto a device and wrap it in an Engine."""
+    """Load a store model onto a device and wrap it in an Engine (on the compute thread, which
+    runs all model work: see host/engine/compute.py)."""
+    from .engine.compute import compute
+
+    return compute().call(_open_engine, model, device, dtype, **engine_kwargs)
+
+
+def _open_engine(model, device, dtype, **engine_kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .engine import Engine, resolve_device, resolve_dtype

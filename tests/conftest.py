@@ -73,15 +73,22 @@ def hf_greedy(engine, chat_ids):
 
     from host import store
 
-    ref = AutoModelForCausalLM.from_pretrained(store.read_record(engine.info.name).path, dtype=torch.float32).eval()
+    from host.engine.compute import compute
+
+    path = store.read_record(engine.info.name).path
+    # model work on the compute thread, as the engine does it (host/engine/compute.py)
+    ref = compute().call(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+
+    @torch.inference_mode()
+    def generate(ids: list[int], n: int) -> list[int]:
+        x = torch.tensor([ids])
+        out = ref.generate(x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x))
+        return out[0, len(ids):].tolist()
 
     def get(i: int, n: int) -> list[int]:
         key = (i, n)
         if key not in _HF_CACHE:
-            with torch.inference_mode():
-                x = torch.tensor([chat_ids[i]])
-                out = ref.generate(x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x))
-            _HF_CACHE[key] = out[0, len(chat_ids[i]):].tolist()
+            _HF_CACHE[key] = compute().call(generate, chat_ids[i], n)
         return _HF_CACHE[key]
 
     return get

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import ContextOverflow, InvalidArgument, PieError
 from . import attention
+from .compute import compute
 from .pages import PagePool
 from .linear import PackedLinears
 from .readout import Readout
@@ -161,6 +162,9 @@ class Engine:
             ws.freeze_scratch(n)
 
     def evict(self, ws: WorkingSet, start: int, end: int) -> None:
+        compute().call(self._evict, ws, start, end)  # it copies KV rows: torch work
+
+    def _evict(self, ws: WorkingSet, start: int, end: int) -> None:
         with self.lock:
             ws.check_alive()
             copies = ws.evict(start, end)
@@ -202,7 +206,11 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------
     def forward(self, passes: list[Pass]) -> list[PassOutput | PieError]:
-        """Run passes with known folds in one model call; a failing pass gets its error, the rest run."""
+        """Run passes with known folds in one model call; a failing pass gets its error, the rest run.
+        Runs on the compute thread (compute.py); the caller must not hold `self.lock`."""
+        return compute().call(self._forward, passes)
+
+    def _forward(self, passes: list[Pass]) -> list[PassOutput | PieError]:
         results: list[PassOutput | PieError | None] = [None] * len(passes)
         with self.lock:
             batch, ok = self.prepare(passes, results)

@@ -28,6 +28,22 @@ def _packable(module: torch.nn.Module) -> bool:
             and w.dtype == torch.float32 and torch.backends.mkldnn.is_available())
 
 
+def pack(module: torch.nn.Module) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a linear module's weight, or None where the fast path does not apply."""
+    if not _packable(module):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
+    except (AttributeError, RuntimeError):
+        return None  # this torch build has no oneDNN linear: keep the stock layer
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lead = x.shape[:-1]
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.view(*lead, y.shape[-1])
+
+
 class PackedLinears:
     """Every `nn.Linear` under `root` gets a packed copy of its weight and a forward that uses it
     while `active()`; `count` is how many were packed (0 where the fast path does not apply).
@@ -37,25 +53,20 @@ class PackedLinears:
         self._on = False
         self.enabled = True
         self.count = 0
-        mods = [m for m in root.modules() if _packable(m)]
-        try:
-            packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_ROWS) for m in mods]
-        except (AttributeError, RuntimeError):
-            return  # this torch build has no oneDNN linear: keep the stock layers
-        for m, w in zip(mods, packed):
-            m.forward = self._forward(m, w)
-        self.count = len(mods)
+        for m in root.modules():
+            # a model opened by a second engine keeps its one packed copy and its stock forward
+            packed = getattr(m, "_pie_packed", None)
+            packed = pack(m) if packed is None else packed
+            if packed is not None:
+                m._pie_packed = packed
+                m._pie_stock = getattr(m, "_pie_stock", m.forward)
+                m.forward = self._forward(m._pie_stock, packed, m.bias)
+                self.count += 1
 
-    def _forward(self, module: torch.nn.Linear, packed: torch.Tensor):
-        stock = module.forward
-        bias = module.bias
+    def _forward(self, stock, packed: torch.Tensor, bias: torch.Tensor | None):
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if not self._on:
-                return stock(x)
-            lead = x.shape[:-1]
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-            return y.view(*lead, y.shape[-1])
+            return packed_linear(x, packed, bias) if self._on else stock(x)
 
         return forward
 

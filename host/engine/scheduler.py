@@ -1,9 +1,11 @@
 """Batches the passes of every running inferlet, and every device loop, into shared model calls.
 
 Inferlet threads call `submit` and block on the returned future; device loops are started
-with `start_loop` and stay in every batch until they stop. One worker thread runs each step:
-schedule (take what is pending), run (one model call), postprocess (commit folds, run
-epilogues, resolve futures). A pass's result never depends on which others shared its batch.
+with `start_loop` and stay in every batch until they stop. Each step is a task on the compute
+thread (see compute.py): schedule (take what is pending), run (one model call), postprocess
+(commit folds, run epilogues, resolve futures); a step queues the next while work remains,
+so other compute tasks interleave between steps. A pass's result never depends on which
+others shared its batch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from concurrent.futures import Future
 
 from ..errors import InvalidArgument, PieError
+from .compute import compute
 from .engine import Engine, Pass
 from .loop import DeviceLoop, readback, run_epilogues
 
@@ -27,8 +30,8 @@ class Scheduler:
         self._loops: list[DeviceLoop] = []
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="pie-scheduler", daemon=True)
-        self._thread.start()
+        self._compute = compute()
+        self._queued = False  # a step is queued on the compute thread
 
     def submit(self, ps: Pass) -> Future:
         fut: Future = Future()
@@ -37,7 +40,7 @@ class Scheduler:
                 fut.set_exception(PieError("the engine is shut down"))
                 return fut
             self._pending.append((ps, fut))
-            self._cv.notify()
+            self._wake()
         return fut
 
     def forward(self, ps: Pass):
@@ -51,40 +54,47 @@ class Scheduler:
                 loop.finish(PieError("the engine is shut down"))
             else:
                 self._loops.append(loop)
-                self._cv.notify()
+                self._wake()
         return loop.done
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            self._cv.notify()
-        self._thread.join()
-        for loop in self._loops:
-            loop.finish(PieError("the engine is shut down"))
+            self._wake()
+        self._compute.call(lambda: None)  # the queue is FIFO: the closing step has run
 
-    # ---- the worker -------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending and not self._loops and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    for _, fut in self._pending:
-                        fut.set_exception(PieError("the engine is shut down"))
-                    return
-                room = max(self.max_batch - len(self._loops), 1)
-                work, self._pending = self._pending[:room], self._pending[room:]
-                loops = [lp for lp in self._loops if not lp.done.done()]
-            try:
-                self._step(work, loops)
-            except Exception as e:  # an engine bug must not hang every inferlet
-                for _, fut in work:
-                    if not fut.done():
-                        fut.set_exception(e)
-                for lp in loops:
-                    lp.finish(e)
-            with self._cv:
-                self._loops = [lp for lp in self._loops if not lp.done.done()]
+    # ---- the steps ----------------------------------------------------------------------
+    def _wake(self) -> None:
+        """Queue a step unless one is queued already (call with self._cv held)."""
+        if not self._queued:
+            self._queued = True
+            self._compute.submit(self._tick)
+
+    def _tick(self) -> None:
+        with self._cv:
+            self._queued = False
+            if self._closed:
+                for _, fut in self._pending:
+                    fut.set_exception(PieError("the engine is shut down"))
+                for loop in self._loops:
+                    loop.finish(PieError("the engine is shut down"))
+                self._pending, self._loops = [], []
+                return
+            room = max(self.max_batch - len(self._loops), 1)
+            work, self._pending = self._pending[:room], self._pending[room:]
+            loops = [lp for lp in self._loops if not lp.done.done()]
+        try:
+            self._step(work, loops)
+        except Exception as e:  # an engine bug must not hang every inferlet
+            for _, fut in work:
+                if not fut.done():
+                    fut.set_exception(e)
+            for lp in loops:
+                lp.finish(e)
+        with self._cv:
+            self._loops = [lp for lp in self._loops if not lp.done.done()]
+            if self._pending or self._loops:
+                self._wake()
 
     @torch.inference_mode()  # no autograd bookkeeping on the small epilogue and index ops
     def _step(self, work: list[tuple[Pass, Future]], loops: list[DeviceLoop]) -> None:

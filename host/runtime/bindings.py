@@ -20,6 +20,7 @@ from wasmtime import _ffi as ffi
 from wasmtime.component import Linker, Record, Variant
 
 from ..engine import Engine, Pass, WorkingSet
+from ..engine.compute import compute
 from ..engine.loop import DeviceLoop, LoopStats
 from ..errors import InvalidArgument, BadHandle, PieError
 from .channels import Channel
@@ -192,7 +193,7 @@ class InstanceHost:
         if ch.element not in ("uint32", "int32"):
             raise InvalidArgument(f"only a u32 or i32 channel holds token ids, not {ch.element}")
 
-        def sink(cells: list[int]) -> None:  # called by the scheduler thread after each round
+        def sink(cells: list[int]) -> None:  # called by the compute thread after each round
             with self._out_lock:
                 self.token_ids.extend(cells)
                 self._stream_tokens(final=False)
@@ -340,10 +341,12 @@ class InstanceHost:
             self.draft_stats.drafted_window(ps.window)
         tokens: list[int] = []
         logits: list[float] = []
+        # reductions over the vocabulary run on the compute thread: on this inferlet thread they
+        # would start a second OpenMP pool and slow every model call (host/engine/compute.py)
         if kind.tag == "argmax":
-            tokens = argmax(out.logits)
+            tokens = compute().call(argmax, out.logits)
         elif kind.tag == "sample":
-            tokens = self.handles[kind.payload].sample(out.logits)
+            tokens = compute().call(self.handles[kind.payload].sample, out.logits)
         elif kind.tag == "logits":
             logits = out.logits.flatten().tolist()
         return _record(tokens=tokens, logits=logits, frozen=ps.ws.frozen)
