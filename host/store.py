@@ -89,7 +89,7 @@ def import_model(source: str, name: str | None = None, dtype: str = "auto", draf
                  progress: bool = True) -> tuple[ModelRecord, bool]:
     """Convert SOURCE into the store. Returns (record, created); idempotent for the same source and dtype.
     Runs on the compute thread, like all model work (host/engine/compute.py)."""
-    from .engine.compute import compute
+    from .engine.compute import compute  # here, not at the top: `pie model list` must not load torch
 
     return compute().call(_import_model, source, name, dtype, drafter, progress)
 

@@ -12,6 +12,7 @@ on it too. On CUDA the same thread serialises kernel launches, which the engine 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from concurrent.futures import Future
@@ -60,3 +61,13 @@ def compute() -> ComputeThread:
         if _thread is None:
             _thread = ComputeThread()
         return _thread
+
+
+def on_compute_thread(fn):
+    """Decorate a function (or method) so that every call of it runs on the compute thread."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return compute().call(fn, *args, **kwargs)
+
+    return wrapper

@@ -16,9 +16,9 @@ import torch
 
 from ..errors import ContextOverflow, InvalidArgument, PieError
 from . import attention
-from .compute import compute
-from .pages import PagePool
+from .compute import on_compute_thread
 from .linear import PackedLinears
+from .pages import PagePool
 from .readout import Readout
 from .working_set import WorkingSet
 
@@ -161,10 +161,8 @@ class Engine:
             ws.check_alive()
             ws.freeze_scratch(n)
 
+    @on_compute_thread  # it copies KV rows: torch work
     def evict(self, ws: WorkingSet, start: int, end: int) -> None:
-        compute().call(self._evict, ws, start, end)  # it copies KV rows: torch work
-
-    def _evict(self, ws: WorkingSet, start: int, end: int) -> None:
         with self.lock:
             ws.check_alive()
             copies = ws.evict(start, end)
@@ -205,12 +203,10 @@ class Engine:
             raise InvalidArgument(f"fold {ps.fold} is outside 0..{w} (the window length)")
 
     # ---- the step -------------------------------------------------------------------
+    @on_compute_thread
     def forward(self, passes: list[Pass]) -> list[PassOutput | PieError]:
         """Run passes with known folds in one model call; a failing pass gets its error, the rest run.
         Runs on the compute thread (compute.py); the caller must not hold `self.lock`."""
-        return compute().call(self._forward, passes)
-
-    def _forward(self, passes: list[Pass]) -> list[PassOutput | PieError]:
         results: list[PassOutput | PieError | None] = [None] * len(passes)
         with self.lock:
             batch, ok = self.prepare(passes, results)

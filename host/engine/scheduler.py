@@ -28,14 +28,14 @@ class Scheduler:
         self.max_batch = max_batch
         self._pending: list[tuple[Pass, Future]] = []
         self._loops: list[DeviceLoop] = []
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._closed = False
         self._compute = compute()
         self._queued = False  # a step is queued on the compute thread
 
     def submit(self, ps: Pass) -> Future:
         fut: Future = Future()
-        with self._cv:
+        with self._lock:
             if self._closed:
                 fut.set_exception(PieError("the engine is shut down"))
                 return fut
@@ -49,7 +49,7 @@ class Scheduler:
 
     def start_loop(self, loop: DeviceLoop) -> Future:
         """Run `loop` until its stop flag, its round limit, an empty window or an error."""
-        with self._cv:
+        with self._lock:
             if self._closed:
                 loop.finish(PieError("the engine is shut down"))
             else:
@@ -58,20 +58,20 @@ class Scheduler:
         return loop.done
 
     def close(self) -> None:
-        with self._cv:
+        with self._lock:
             self._closed = True
             self._wake()
         self._compute.call(lambda: None)  # the queue is FIFO: the closing step has run
 
     # ---- the steps ----------------------------------------------------------------------
     def _wake(self) -> None:
-        """Queue a step unless one is queued already (call with self._cv held)."""
+        """Queue a step unless one is queued already (call with self._lock held)."""
         if not self._queued:
             self._queued = True
             self._compute.submit(self._tick)
 
     def _tick(self) -> None:
-        with self._cv:
+        with self._lock:
             self._queued = False
             if self._closed:
                 for _, fut in self._pending:
@@ -91,7 +91,7 @@ class Scheduler:
                     fut.set_exception(e)
             for lp in loops:
                 lp.finish(e)
-        with self._cv:
+        with self._lock:
             self._loops = [lp for lp in self._loops if not lp.done.done()]
             if self._pending or self._loops:
                 self._wake()
