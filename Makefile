@@ -33,7 +33,7 @@ demo: model inferlets
 	$(PY) -m host.demo --prompt "$(PROMPT)"
 
 bench: model inferlets
-	$(PY) -m bench.run
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf build results $(STAMPS)

@@ -33,7 +33,8 @@ def main(argv=None) -> dict:
 
 
 def _run(args) -> dict:
-    engine = store.open_engine(args.model, kv_pages=256)
+    pages = 8 * -(-(args.context + max(args.windows)) // 16) + 64  # 8 working sets of context + window
+    engine = store.open_engine(args.model, kv_pages=max(256, pages))
     if not engine.linears.count:
         raise SystemExit(f"the packed path does not apply here ({engine.info.dtype} on {engine.info.device})")
     prefix = [(7 * i) % 1000 + 100 for i in range(args.context)]

@@ -55,21 +55,29 @@ def run(eng, prompt, **kw):
     return channels["out"].cells(), stats, folds, loop
 
 
-def adapt_ok(folds, K, k_init, probe_after=8):
-    """Replay the adaptive draft length from the (window, fold) log: no window exceeds it."""
-    kcur, idle = k_init, 0
-    for (w, f), (w_next, _) in zip(folds, folds[1:]):
-        d, n = w - 1, f - 1
-        if d and n == d:
-            kcur = min(max(2 * kcur, 1), K)
-        elif d and 2 * n < d:
-            kcur = n
-        idle = idle + 1 if kcur == 0 else 0
-        if idle >= probe_after:
-            kcur, idle = 1, 0
-        if w_next - 1 > kcur:
-            return False
-    return True
+def gate_replay(folds, K, probe_after=4, probe_max=32):
+    """Replay the draft gate (spec.draft_gate) from the (window, fold) log. Returns whether no
+    window drafted more than the gate allowed, and the state after the last round (a fold is
+    1 + accepted drafts unless EOS or max-tokens cut the round: the last one only)."""
+    state, ok = [spec.GATE_INIT, 0, probe_after], True
+    for i, (w, f) in enumerate(folds):
+        state, k = spec.draft_gate(state, w > 1, f - 1, K, probe_after, probe_max)
+        ok = ok and (i + 1 == len(folds) or folds[i + 1][0] - 1 <= k)
+    return ok, state
+
+
+def test_draft_gate_closes_backs_off_and_reopens():
+    state, k, ks = [spec.GATE_INIT, 0, 4], 8, []
+    for _ in range(100):  # every draft fails
+        state, k = spec.draft_gate(state, k > 0, 0, 8)
+        ks.append(k)
+    drafting = [i for i, k in enumerate(ks) if k]
+    assert drafting[:3] == [0, 1, 2]  # 1000 -> 750 -> 562 -> 421: still open; 315 closes it
+    gaps = [b - a for a, b in zip(drafting[2:], drafting[3:])]
+    assert gaps[:5] == [4, 8, 16, 32, 32]  # a failed probe doubles the wait for the next, up to 32
+    state, k = spec.draft_gate(state, True, 3, 8)  # a probe that lands reopens the gate
+    assert k == 8 and state == [state[0], 0, 4] and state[0] >= spec.GATE_OPEN
+    assert spec.draft_gate([500, 0, 4], False, 0, 8) == ([500, 0, 4], 8)  # no draft: no change
 
 
 @pytest.mark.parametrize("prompt,repetitive", [(REPETITIVE, True), (PLAIN, False)])
@@ -80,7 +88,8 @@ def test_greedy_equals_plain_decoding(big, prompt, repetitive):
     assert got == want
     assert stats.accepted <= stats.drafted and all(f <= w for w, f in folds)
     assert loop.ws.frozen == len(prompt) - 1 + len(got)  # the last token is next round's t0, as in plain decoding
-    assert adapt_ok(folds, K=4, k_init=4)
+    ok, state = gate_replay(folds, K=4)
+    assert ok and loop.channels["spec_state"].cells() == state  # the device rule is the reference's
     if repetitive:
         assert stats.accepted > 0 and stats.rounds < len(got)
 
@@ -133,7 +142,7 @@ def test_channel_specs_and_first_window(big):
     assert by["lru_table"]["capacity"] == 6 * (2 + 4) == len(by["lru_table"]["init"])
     # the prompt's leaders left of the lookup window are in the table already
     assert spec.lru_lookup(by["lru_table"]["init"], by["lru_stamps"]["init"], [5, 9], 2, 4) == [13, 4, 7, 5]
-    assert by["spec_state"]["init"] == [4, 0] and by["out"]["init"] == []
+    assert by["spec_state"]["init"] == [spec.GATE_INIT, 0, 4] and by["out"]["init"] == []
     assert compile_program(text).checked.alias == {"R": "W"}
 
 

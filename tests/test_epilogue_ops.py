@@ -177,6 +177,23 @@ def test_ngram_lookup(hist, k, lo, hi):
     assert got[0].tolist() == et and int(got[1]) == ec
 
 
+def test_ngram_lookup_random_against_reference():
+    # small alphabets make many overlapping matches of every length; lengths cut the buffer short
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        hist = [rng.randrange(rng.choice([2, 3, 5])) for _ in range(n)]
+        k, lo = rng.randint(1, 6), rng.randint(1, 3)
+        hi = rng.randint(lo, 4)
+        L = rng.randint(0, n)
+        p = Program()
+        toks, cnt = p.ngram_lookup(p.history(), k, ngram_min=lo, ngram_max=hi, length=p.const(L))
+        got = values(p, toks, cnt, history=torch.tensor(hist + [-1] * 3))
+        et, ec = ngram_ref(hist[:L], k, lo, hi)
+        assert (got[0].tolist(), int(got[1])) == (et, ec), (hist, L, k, lo, hi)
+
+
 def test_ngram_lookup_with_device_length():
     # a history buffer padded past its length: only the first L tokens count
     p = Program()
@@ -271,3 +288,17 @@ def test_sample_matches_distribution_roughly():
     res = prog.run([Env(logits=probs.expand(4000, 4).clone(), seed=1)], keep_values=True)[0].values[1]
     freq = torch.bincount(res, minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03) and t is not None
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (9, 49152), (3, 32000), (2, 4, 8192), (5, 4097), (7, 100)])
+def test_argmax_last_matches_torch(shape):
+    from host.epilogue.kernels import argmax_last
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g)
+    assert torch.equal(argmax_last(x), x.argmax(-1))
+    flat = x.view(-1, shape[-1])
+    flat[0, -1] = flat[0, 3] = 1e9  # ties: the first index wins, across chunks
+    flat[-1, :] = -torch.inf  # an all -inf row: index 0
+    if flat.shape[0] > 2:
+        flat[1, 700 % shape[-1]] = torch.nan  # NaN counts as the maximum
+    assert torch.equal(argmax_last(x), x.argmax(-1))

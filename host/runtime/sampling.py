@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ..epilogue.kernels import argmax_last
 from ..errors import InvalidArgument
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
     """One id per row; ties go to the lowest id, as in HF greedy generation."""
-    return logits.argmax(dim=-1).tolist()
+    return argmax_last(logits).tolist()
 
 
 class Sampler:

@@ -101,11 +101,37 @@ def lru_update(table, stamps, seq, length, leaders, g, k):
     return table, stamps
 
 
+GATE_INIT, GATE_OPEN = 1000, 400  # the acceptance estimate, in thousandths of a token
+
+
+def draft_gate(state, drafted, accepted, K, probe_after=4, probe_max=32):
+    """The device program's draft-length rule on plain ints (the reference; tests replay it).
+
+    state = [estimate, idle, wait]: estimate = a moving average (weight 1/4) of the drafts
+    accepted per round that drafted, in thousandths. While it is at least GATE_OPEN the next
+    round drafts all it can (up to K): a verify row is cheap next to the pass it rides on, so
+    a draft is worth its cost unless it mostly fails. Below that, drafting stops; after `wait`
+    rounds one probe round drafts again, and a probe that fails doubles `wait` (up to
+    probe_max), so a text that never matches pays for ever fewer probes. Rounds without a
+    candidate to draft do not move the estimate. Returns (new state, next draft length)."""
+    e, idle, wait = state
+    if drafted:
+        e = e - e // 4 + 250 * accepted
+    if e >= GATE_OPEN:
+        return [e, 0, probe_after], K
+    if drafted and idle < 0:
+        wait = min(wait * 2, probe_max)
+    idle = 1 if idle < 0 else idle + 1
+    if idle >= wait:
+        return [e, -1, wait], K
+    return [e, idle, wait], 0
+
+
 # --- the device program ------------------------------------------------------------
 
 def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
                       temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
-                      draft_len_init=None, probe_after=8, verify=None, start=None, tracer=None):
+                      probe_after=4, probe_max=32, verify=None, start=None, tracer=None):
     """Trace the Cacheback speculative-decoding epilogue.
 
     The guest commits prompt[:-1] to the working set first, then loops a pass whose
@@ -113,6 +139,7 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     program. Returns (json_text, channels): channels is a list of dicts {name, dtype,
     capacity, init} for the host to create ("out", "window", and the program's state).
 
+    The draft length follows `draft_gate` (probe_after, probe_max).
     temperature <= 0 is greedy. verify(p, drafts, probs, seed) -> (accepted, tokens, count)
     replaces the rejection rule (default p.verify_sample) for sampled runs.
     start: the working set's frozen length when the loop starts (default len(prompt) - 1).
@@ -125,15 +152,14 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     prompt = [int(x) for x in prompt]
     if not prompt:
         raise ValueError("prompt must hold at least one token")
-    if K < 0 or max_tokens < 1 or not 1 <= ngram_min <= ngram_max or S < 0 or g < 1 or probe_after < 1:
+    if K < 0 or max_tokens < 1 or not 1 <= ngram_min <= ngram_max or S < 0 or g < 1 or not 1 <= probe_after <= probe_max:
         raise ValueError("need draft_len_max >= 0, max_tokens >= 1, 1 <= ngram_min <= ngram_max, "
-                         "lru_size >= 0, lru_ngram >= 1, probe_after >= 1")
+                         "lru_size >= 0, lru_ngram >= 1, 1 <= probe_after <= probe_max")
     if K and Lw < 2 * K + g:
         raise ValueError("lookup_window must be >= 2*draft_len_max + lru_ngram (the LRU update reads "
                          "followers of the leaders leaving the window from the history)")
     if not 0 < top_p <= 1:
         raise ValueError("top_p must be in (0, 1]")
-    k_init = K if draft_len_init is None else max(0, min(int(draft_len_init), K))
     use_lru = K > 0 and S > 0
 
     p = t.Program(readout="window")
@@ -175,11 +201,11 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
         p.set("window", t0)
     else:
         cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru)
-        state = _adapt(p, drafts.size(), n, K, probe_after)
-        k_next = p.minimum(p.minimum(cand_n, state), p.maximum(max_tokens - out_len - emit - 1, 0))
+        k_gate = _gate(p, drafts.size(), n, K, int(probe_after), int(probe_max))
+        k_next = p.minimum(p.minimum(cand_n, k_gate), p.maximum(max_tokens - out_len - emit - 1, 0))
         p.set("window", p.concat(t0, cand), k_next + 1)
 
-    return p.to_json(), _channels(prompt, K, g, Lw, S, k_init, ngram_min, ngram_max, max_tokens, use_lru)
+    return p.to_json(), _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, int(probe_after))
 
 
 def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
@@ -208,25 +234,25 @@ def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
     return cand, cand_n
 
 
-def _adapt(p, d, n, K, probe_after):
-    """Channel "spec_state" = [draft length, rounds spent at 0]. Double when every draft was
-    accepted; drop to the accepted count when fewer than half were (a verify row costs a few
-    percent of a pass on a CPU, so rejected drafts must stop quickly); after probe_after rounds
-    at 0, try one draft again. Returns this round's new draft length."""
-    p.channel("spec_state", "i64", 2)
+def _gate(p, d, n, K, probe_after, probe_max):
+    """draft_gate on the device: channel "spec_state" holds [estimate, idle, wait]; d drafts
+    went into this round, n were accepted. Returns the next round's draft length (0 or K)."""
+    p.channel("spec_state", "i64", 3)
     st = p.read("spec_state")
-    kcur, idle = st[0], st[1]
+    e, idle, wait = st[0], st[1], st[2]
     drafted = d > 0
-    k_after = p.where(drafted & (n == d), p.minimum(p.maximum(kcur * 2, 1), K),
-                      p.where(drafted & (n * 2 < d), n, kcur))
-    idle2 = p.where(k_after == 0, idle + 1, 0)
-    probe = idle2 >= probe_after
-    k_next = p.where(probe, 1, k_after)
-    p.set("spec_state", p.where(p.arange(2) == 0, k_next, p.where(probe, 0, idle2)))
-    return k_next
+    e = p.where(drafted, e - e // 4 + n * 250, e)
+    is_open = e >= GATE_OPEN
+    probed = idle < 0
+    wait = p.where(is_open, probe_after, p.where(drafted & probed, p.minimum(wait * 2, probe_max), wait))
+    idle = p.where(is_open, 0, p.where(probed, 1, idle + 1))
+    probe = ~is_open & (idle >= wait)
+    j = p.arange(3)
+    p.set("spec_state", p.where(j == 0, e, p.where(j == 1, p.where(probe, -1, idle), wait)))
+    return p.where(is_open | probe, K, 0)
 
 
-def _channels(prompt, K, g, Lw, S, k_init, ngram_min, ngram_max, max_tokens, use_lru):
+def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, probe_after):
     """Channel specs with initial contents: the first window drafts from the prompt too."""
     hist = prompt[:-1]
     chans = [{"name": "out", "dtype": "i64", "capacity": max_tokens, "init": []}]
@@ -240,8 +266,8 @@ def _channels(prompt, K, g, Lw, S, k_init, ngram_min, ngram_max, max_tokens, use
                 drafts = lru_lookup(table, stamps, ctx[-g:], g, K)
             chans += [{"name": "lru_table", "dtype": "i64", "capacity": S * (g + K), "init": table},
                       {"name": "lru_stamps", "dtype": "i64", "capacity": S, "init": stamps}]
-        chans.append({"name": "spec_state", "dtype": "i64", "capacity": 2, "init": [k_init, 0]})
-    drafts = drafts[:min(k_init, max(max_tokens - 1, 0))]
+        chans.append({"name": "spec_state", "dtype": "i64", "capacity": 3, "init": [GATE_INIT, 0, probe_after]})
+    drafts = drafts[:max(max_tokens - 1, 0)]
     chans.insert(1, {"name": "window", "dtype": "i64", "capacity": K + 1, "init": prompt[-1:] + drafts})
     return chans
 
