@@ -270,7 +270,8 @@ def ngram_lookup(h: torch.Tensor, length: torch.Tensor | None, nmin: int, nmax: 
 
     One pass for all lengths: r[e] = how many tokens ending at e match the suffix (up to nmax),
     for every end e before the suffix's own last token; the best end has the largest r (at
-    least nmin), then the largest e. About fifteen small ops, whatever nmax is."""
+    least nmin), then the largest e. About fifteen small ops, whatever nmax is. A suffix token
+    that is negative (padding) matches nothing."""
     B, N = h.shape
     dev = h.device
     L = torch.full((B,), N, dtype=torch.int64, device=dev) if length is None else length.clamp(0, N)
