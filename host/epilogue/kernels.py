@@ -278,9 +278,8 @@ def ngram_lookup(h: torch.Tensor, length: torch.Tensor | None, nmin: int, nmax: 
     m = max(min(nmax, N), 0)
     if N < 2 or m < nmin:
         return [torch.full((B, k), -1, dtype=h.dtype, device=dev), torch.zeros((B,), dtype=torch.int64, device=dev)]
-    j = torch.arange(m, device=dev)
-    suffix = h.gather(1, (L.unsqueeze(1) - 1 - j).clamp(0, N - 1))  # [B, m]: suffix[j] = h[L-1-j]
-    suffix = torch.where((L.unsqueeze(1) - 1 - j) >= 0, suffix, -1)
+    sidx = L.unsqueeze(1) - 1 - torch.arange(m, device=dev)  # [B, m]: suffix[j] = h[L-1-j]
+    suffix = torch.where(sidx >= 0, h.gather(1, sidx.clamp(0, N - 1)), -1)
     # back[b, e, j] = h[e-j] (-2 before the start: matches no token, nor the -1 padding)
     back = torch.cat([torch.full((B, m - 1), -2, dtype=h.dtype, device=dev), h], 1).unfold(1, m, 1).flip(-1)
     eq = (back == suffix.unsqueeze(1)) & (suffix >= 0).unsqueeze(1)
