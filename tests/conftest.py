@@ -39,6 +39,17 @@ def tiny():
     return eng, ref
 
 
+@pytest.fixture(params=["host-scalars", "device-scalars"])
+def scalar_path(request, monkeypatch):
+    """Run a test twice: as on the CPU, where scalar results of epilogue ops move to the host at
+    once, and as on CUDA, where they stay on the device until the batch's readback."""
+    from host.epilogue import compile as executor
+
+    if request.param == "device-scalars":
+        monkeypatch.setattr(executor, "HOST_READABLE", ())
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def engine():
     """The default model in float32, imported into the store first if needed."""

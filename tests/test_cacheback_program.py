@@ -20,6 +20,9 @@ from host.epilogue import compile_program
 from guest import Chan, plain_greedy, trace
 from guest import speculative as spec
 
+# every test here runs with both scalar paths of the executor (see conftest.scalar_path)
+pytestmark = pytest.mark.usefixtures("scalar_path")
+
 REPETITIVE = [5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9, 13, 4, 7, 5, 9]
 PLAIN = [30, 71, 12, 55, 3, 88, 41, 17]
 
@@ -144,6 +147,12 @@ def test_channel_specs_and_first_window(big):
     assert spec.lru_lookup(by["lru_table"]["init"], by["lru_stamps"]["init"], [5, 9], 2, 4) == [13, 4, 7, 5]
     assert by["spec_state"]["init"] == [spec.GATE_INIT, 0, 4] and by["out"]["init"] == []
     assert compile_program(text).checked.alias == {"R": "W"}
+    # a history that can never outgrow the lookup window (prompt[:-1] + max_tokens <= 10) needs no table
+    for n, has in ((10 - len(REPETITIVE[-6:]) + 1, False), (10 - len(REPETITIVE[-6:]) + 2, True)):
+        text, chans = spec.cacheback_program(prompt=REPETITIVE[-6:], tracer=trace, draft_len_max=4, lookup_window=10,
+                                             lru_size=6, max_tokens=n)
+        assert ("lru_table" in {c["name"] for c in chans}) == has
+        assert ("lru_lookup" in text) == has
 
 
 def test_eos_and_max_tokens_cut_like_plain_decoding(big):

@@ -12,6 +12,9 @@ from host.epilogue import compile_program
 
 from guest import Chan, plain_greedy, trace
 
+# every test here runs with both scalar paths of the executor (see conftest.scalar_path)
+pytestmark = pytest.mark.usefixtures("scalar_path")
+
 
 def greedy_program(limit: int, eos: int) -> str:
     p = trace.Program(window=1, readout=1)

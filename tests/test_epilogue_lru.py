@@ -11,6 +11,9 @@ from host.epilogue import Env, ProgramError, SimpleChannel, compile_program
 from guest import trace
 from guest import speculative as ref  # its plain-Python lru_lookup / lru_update are the references
 
+# every test here runs with both scalar paths of the executor (see conftest.scalar_path)
+pytestmark = pytest.mark.usefixtures("scalar_path")
+
 
 def chan(values):
     return SimpleChannel(torch.tensor(values, dtype=torch.int64), torch.tensor(len(values), dtype=torch.int64))

@@ -160,7 +160,10 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
                          "followers of the leaders leaving the window from the history)")
     if not 0 < top_p <= 1:
         raise ValueError("top_p must be in (0, 1]")
-    use_lru = K > 0 and S > 0
+    base = len(prompt) - 1 if start is None else int(start)
+    # The LRU table holds leaders that left the lookup window: none can while the whole
+    # history (at most base + max_tokens tokens) fits in it, so the table is left out.
+    use_lru = K > 0 and S > 0 and base + max_tokens > Lw
 
     p = t.Program(readout="window")
     p.channel("out", "i64", max_tokens)
@@ -179,7 +182,6 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
         n, vt, cnt = rule(p, drafts, x.softmax(), seed)
 
     # Output: cut after the first EOS and at max_tokens in total.
-    base = len(prompt) - 1 if start is None else int(start)
     out_len = p.history().size() - base
     room = p.maximum(max_tokens - out_len, 0)
     j = p.arange("W")
