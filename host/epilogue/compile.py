@@ -3,6 +3,8 @@
 Executing a program never syncs with the host: shapes (host metadata), seeds and
 round indices (host ints) are all the host needs; every data-dependent length
 stays a device tensor. The caller reads fold/stop/lengths back once per batch.
+On the CPU there is no device to wait for, so scalar results move to the host as
+they are made and the integer arithmetic after them runs in Python (HOST_READABLE).
 """
 
 from __future__ import annotations
