@@ -1,6 +1,6 @@
 """Speculative decoding against HF `generate`, side by side in one process run.
 
-    python -m bench.spec [--prompts N] [--categories a,b] [--new-tokens 128] [--dtype auto] [--repeats 1]
+    python -m bench.spec [--prompts N] [--ids 102,164] [--categories a,b] [--new-tokens 128] [--dtype auto] [--repeats 1]
 
 Contenders, on the same model, dtype and prompts (dev prompts in the chat template):
 HF generate greedy, HF generate(prompt_lookup_num_tokens=10), and the inferlets
@@ -67,6 +67,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompts", type=int, default=None, help="first N dev prompts (default: all 46)")
+    ap.add_argument("--ids", default=None, help="comma-separated dev prompt ids to keep")
     ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
     ap.add_argument("--per-category", type=int, default=None, help="keep the first N prompts of each category")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -81,7 +82,7 @@ def main(argv=None) -> dict:
     engine = store.open_engine(args.model, device="auto", dtype=args.dtype, kv_pages=1024)
     hf = load_hf(engine)
     tok = engine.tokenizer
-    rows = load_prompts(args.prompts)
+    rows = load_prompts(args.prompts, ids=[int(x) for x in args.ids.split(",")] if args.ids else None)
     if args.categories:
         keep = set(args.categories.split(","))
         rows = [r for r in rows if r["category"] in keep]
