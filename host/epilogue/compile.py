@@ -72,7 +72,7 @@ class Program:
                          and checked.values[op.outs[0]].dtype in ("i64", "bool")}
         # shape-only ops whose result does not depend on the binding
         self._fixed = {op.index for op in checked.ops if op.name in _SHAPE_ONLY and not self._op_syms(op)}
-        self._host_fn_size = {op.index for op in checked.ops if op.name == "size"
+        self._host_sizes = {op.index for op in checked.ops if op.name == "size"
                               and checked.values[op.outs[0]].dtype == "i64" and not checked.values[op.outs[0]].shape}
         self._scalar_ints = {i for i, v in enumerate(checked.values) if not v.shape and v.dtype in ("i64", "bool")}
 
@@ -219,7 +219,7 @@ class Program:
                 cnt = op.args[1] if len(op.args) > 1 else None
                 writes[op.attrs["channel"]] = self._write(
                     op, tensor(op.args[0]), host[cnt] if cnt in host else None if cnt is None else tensor(cnt), envs)
-            elif op.name == "size" and op.index in self._host_fn_size:
+            elif op.name == "size" and op.index in self._host_sizes:
                 # a history length changes every round: keep it on the host, a tensor only on demand
                 host[len(vals)] = [self._measured(op, bind)] * B
                 vals.append(None)
