@@ -22,7 +22,7 @@ from host.epilogue.validate import Checked, _slice_len, check
 
 _CACHE_SIZE = 256
 _CONSTS_MAX = 512  # shape-only values kept per program (history lengths vary)
-_SHAPE_ONLY = ("const", "full", "arange", "size")
+_SHAPE_ONLY = ("const", "full", "arange")  # size is a host value (see _run_batch)
 
 
 def _wrap(x: int) -> int:  # i64 arithmetic wraps as it does on the device
@@ -72,8 +72,6 @@ class Program:
                          and checked.values[op.outs[0]].dtype in ("i64", "bool")}
         # shape-only ops whose result does not depend on the binding
         self._fixed = {op.index for op in checked.ops if op.name in _SHAPE_ONLY and not self._op_syms(op)}
-        self._host_sizes = {op.index for op in checked.ops if op.name == "size"
-                              and checked.values[op.outs[0]].dtype == "i64" and not checked.values[op.outs[0]].shape}
         self._scalar_ints = {i for i, v in enumerate(checked.values) if not v.shape and v.dtype in ("i64", "bool")}
 
     # --- binding -------------------------------------------------------------
@@ -131,7 +129,7 @@ class Program:
 
     def _op_syms(self, op) -> tuple[str, ...]:
         dims = [d for o in op.outs for d in self.checked.values[o].shape]
-        if op.name in ("slice", "index", "size"):
+        if op.name in ("slice", "index"):
             x = self.checked.values[op.args[0]]
             dims.append(x.shape[op.attrs.get("axis", 0) % len(x.shape)])
         return tuple(sorted({d.sym for d in dims if d.sym is not None}))
@@ -219,7 +217,7 @@ class Program:
                 cnt = op.args[1] if len(op.args) > 1 else None
                 writes[op.attrs["channel"]] = self._write(
                     op, tensor(op.args[0]), host[cnt] if cnt in host else None if cnt is None else tensor(cnt), envs)
-            elif op.name == "size" and op.index in self._host_sizes:
+            elif op.name == "size":  # i64 []
                 # a history length changes every round: keep it on the host, a tensor only on demand
                 host[len(vals)] = [self._measured(op, bind)] * B
                 vals.append(None)
@@ -230,7 +228,7 @@ class Program:
                 if got is None:
                     if len(self._consts) > _CONSTS_MAX:
                         self._consts.clear()
-                    got = self._consts[key] = (kernels.run_op(ctx, op, []), self._host_const(op, bind))
+                    got = self._consts[key] = (kernels.run_op(ctx, op, []), self._host_const(op))
                 if got[1] is not None:
                     host[len(vals)] = [got[1]] * B
                 vals.extend(got[0])
@@ -308,16 +306,12 @@ class Program:
                 out[b, a:a + m] = torch.where(keep, y[b, :m], out[b, a:a + m])
         return out
 
-    def _host_const(self, op, bind):
-        """The host value of a scalar i64/bool const or size, else None."""
+    def _host_const(self, op):
+        """The host value of a scalar i64/bool const, else None."""
         v = self.checked.values[op.outs[0]]
         if v.shape or v.dtype not in ("i64", "bool"):
             return None
-        if op.name == "const":
-            return op.attrs["value"]
-        if op.name == "size":
-            return self._measured(op, bind)
-        return None
+        return op.attrs["value"] if op.name == "const" else None
 
     def _on_host(self, op, host: dict, B: int):
         """("host", per-pass values) when a scalar integer op's operands are all on the host;
@@ -338,12 +332,8 @@ class Program:
         return None
 
     def _shape_key(self, op, bind: dict[str, int]) -> tuple:
-        """What a shape-only op's result depends on: its resolved output shape (and, for size,
-        the dim it measures)."""
-        dims = [d.resolve(bind) for d in self.checked.values[op.outs[0]].shape]
-        if op.name == "size":
-            dims.append(self._measured(op, bind))
-        return tuple(dims)
+        """What a shape-only op's result depends on: its resolved output shape."""
+        return tuple(d.resolve(bind) for d in self.checked.values[op.outs[0]].shape)
 
     def _measured(self, op, bind: dict[str, int]) -> int:
         """The dim a size op measures, under this binding."""
