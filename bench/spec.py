@@ -1,6 +1,7 @@
 """Speculative decoding against HF `generate`, side by side in one process run.
 
-    python -m bench.spec [--prompts N] [--ids 102,164] [--categories a,b] [--new-tokens 128] [--dtype auto] [--repeats 1]
+    python -m bench.spec [--prompts N] [--ids 102,164] [--categories a,b] [--new-tokens 128] [--dtype auto]
+                         [--repeats 1] [--min-time 0] [--max-repeats 8]
 
 Contenders, on the same model, dtype and prompts (dev prompts in the chat template):
 HF generate greedy, HF generate(prompt_lookup_num_tokens=10), and the inferlets
@@ -8,13 +9,17 @@ text-completion, cacheback-speculative-decoding and the example guest-side draft
 each greedy through WebAssembly. Writes JSON, a markdown table and one PNG chart per
 figure to results/, and prints the table. All contenders' tokens are checked equal.
 With --repeats N every contender runs each prompt N times, interleaved (all contenders once,
-then again), and its fastest run counts, as timeit does: the shared VM's speed drifts over
-seconds, and one slow moment should not decide a per-prompt ratio.
+then again, in the opposite order), and its fastest run counts, as timeit does: the shared
+VM's speed drifts over seconds, and one slow moment should not decide a per-prompt ratio.
+--min-time S adds runs (up to --max-repeats) until every contender's runs of a prompt add up
+to S seconds, as timeit's autorange does: a 13-token answer takes under a second, and a
+hiccup of a few tens of milliseconds moves its ratio by several percent.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -44,22 +49,30 @@ def _hf_run(model, tokenizer, ids, n, **kw):
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def run_once(rt, wasm, names, hf, tok, ids, prompt, n) -> dict:
-    """Every contender once on one prompt: {contender: stats, with its token ids}."""
+def run_once(rt, wasm, names, hf, tok, ids, prompt, n, reverse=False) -> dict:
+    """Every contender once on one prompt: {contender: stats, with its token ids}.
+
+    reverse runs them in the opposite order: a run's speed depends on what ran just before it
+    on this VM (by several percent between the two inferlets on a short prompt), so repeats
+    alternate the order. Garbage is collected before each run, so none pays for another's."""
     out = {}
-    ref, t = hf_run(hf, tok, ids, n)
-    out["hf-greedy"] = {"tokens": len(ref), "wall_s": t, "tps": len(ref) / t, "accepted_per_pass": 1.0, "token_ids": ref}
-    pl, t = hf_run(hf, tok, ids, n, prompt_lookup_num_tokens=10)
-    out["hf-prompt-lookup"] = {"tokens": len(pl), "wall_s": t, "tps": len(pl) / t, "token_ids": pl}
-    for name in names:
-        res = rt.run(wasm[name], ["--prompt", prompt, "--chat", "--max-tokens", str(n)], name=name)
+    order = ["hf-greedy", "hf-prompt-lookup", *names]
+    for c in reversed(order) if reverse else order:
+        gc.collect()
+        if c.startswith("hf-"):
+            toks, t = hf_run(hf, tok, ids, n, **({"prompt_lookup_num_tokens": 10} if c == "hf-prompt-lookup" else {}))
+            out[c] = {"tokens": len(toks), "wall_s": t, "tps": len(toks) / t, "token_ids": toks}
+            if c == "hf-greedy":
+                out[c]["accepted_per_pass"] = 1.0
+            continue
+        res = rt.run(wasm[c], ["--prompt", prompt, "--chat", "--max-tokens", str(n)], name=c)
         if not res.ok:
-            raise SystemExit(f"{name} failed on prompt {prompt[:40]!r}: {res.error}")
+            raise SystemExit(f"{c} failed on prompt {prompt[:40]!r}: {res.error}")
         s = res.stats
-        out[name] = {"tokens": len(res.token_ids), "wall_s": s["wall_s"], "tps": len(res.token_ids) / s["wall_s"],
-                     "accepted_per_pass": s["mean_accepted_per_pass"], "passes": s["passes"],
-                     "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"],
-                     "guest_calls": s["guest_calls"], "token_ids": res.token_ids}
+        out[c] = {"tokens": len(res.token_ids), "wall_s": s["wall_s"], "tps": len(res.token_ids) / s["wall_s"],
+                  "accepted_per_pass": s["mean_accepted_per_pass"], "passes": s["passes"],
+                  "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"],
+                  "guest_calls": s["guest_calls"], "token_ids": res.token_ids}
     return out
 
 
@@ -74,6 +87,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--inferlets", default=",".join(INFERLETS), help="comma-separated inferlets to run")
     ap.add_argument("--repeats", type=int, default=1, help="runs per contender and prompt; the fastest counts")
+    ap.add_argument("--min-time", type=float, default=0.0,
+                    help="keep repeating a prompt (up to --max-repeats) until every contender's runs add up to "
+                         "this many seconds: short generations get more runs, as timeit's autorange does")
+    ap.add_argument("--max-repeats", type=int, default=8)
     args = ap.parse_args(argv)
 
     from host.runtime.cli import resolve_inferlet
@@ -102,16 +119,20 @@ def main(argv=None) -> dict:
         for i, r in enumerate(rows):
             ids = chat_ids(tok, r["prompt"])
             rec = {"id": r["id"], "category": r["category"], "prompt_tokens": len(ids)}
-            for _ in range(max(args.repeats, 1)):
-                for c, got in run_once(rt, wasm, names, hf, tok, ids, r["prompt"], n).items():
+            spent, rep = dict.fromkeys(contenders, 0.0), 0
+            while rep < max(args.repeats, 1) or (min(spent.values()) < args.min_time and rep < args.max_repeats):
+                for c, got in run_once(rt, wasm, names, hf, tok, ids, r["prompt"], n, reverse=rep % 2 == 1).items():
+                    spent[c] += got["wall_s"]
                     if c not in rec or got["wall_s"] < rec[c]["wall_s"]:
                         rec[c] = got
+                rep += 1
+            rec["runs"] = rep
             ref = rec["hf-greedy"]["token_ids"]
             for c in contenders:
                 rec[c]["same"] = rec[c].pop("token_ids") == ref
             per_prompt.append(rec)
             line = "  ".join(f"{c}={rec[c]['tps']:.1f}" for c in contenders)
-            print(f"[{i + 1}/{len(rows)}] prompt {r['id']} ({r['category']}): {line} tok/s", flush=True)
+            print(f"[{i + 1}/{len(rows)}] prompt {r['id']} ({r['category']}): {line} tok/s ({rep} runs each)", flush=True)
 
     cats = sorted({r["category"] for r in per_prompt})
     summary = {}
@@ -131,7 +152,8 @@ def main(argv=None) -> dict:
         worst = min(r["cacheback-speculative-decoding"]["tps"] / r["text-completion"]["tps"] for r in per_prompt)
         summary["cacheback_vs_text_completion_min"] = worst
     result = {"benchmark": "spec", "model": engine.info.name, "dtype": engine.info.dtype, "device": engine.info.device,
-              "new_tokens": n, "repeats": max(args.repeats, 1), "prompts": [r["id"] for r in per_prompt], "machine": machine(),
+              "new_tokens": n, "repeats": max(args.repeats, 1), "min_time_s": args.min_time,
+              "max_repeats": args.max_repeats, "prompts": [r["id"] for r in per_prompt], "machine": machine(),
               "identical_to_hf_greedy": same, "summary": summary, "per_prompt": per_prompt}
 
     headers = ["category"] + [f"{c} tok/s" for c in contenders] + [f"{c} speedup" for c in contenders[1:]] \
@@ -149,7 +171,9 @@ def main(argv=None) -> dict:
         trows.append(row)
     md = (f"Speculative decoding, {engine.info.name} {engine.info.dtype} on {engine.info.device}; "
           f"{len(per_prompt)} dev prompts {result['prompts']}; chat template; {n} new tokens; greedy; "
-          f"fastest of {result['repeats']} run(s) per contender and prompt.\n"
+          f"fastest of {result['repeats']} run(s) per contender and prompt"
+          + (f" (more, up to {args.max_repeats}, until each contender's runs of a prompt add up to {args.min_time:g} s)"
+             if args.min_time > 0 else "") + ".\n"
           f"tok/s: median; speedup: geometric mean of per-prompt tok/s over HF greedy; acc/pass: mean "
           f"committed tokens per target pass. Identical tokens to HF greedy: {same}\n\n" + table(headers, trows))
     if "cacheback_vs_text_completion_min" in summary:

@@ -62,25 +62,29 @@ def gate_replay(folds, K, probe_after=4, probe_max=32):
     """Replay the draft gate (spec.draft_gate) from the (window, fold) log. Returns whether no
     window drafted more than the gate allowed, and the state after the last round (a fold is
     1 + accepted drafts unless EOS or max-tokens cut the round: the last one only)."""
-    state, ok = [spec.GATE_INIT, 0, probe_after], True
+    state, ok = [spec.GATE_INIT, 0, probe_after, 0], True
     for i, (w, f) in enumerate(folds):
-        state, k = spec.draft_gate(state, w > 1, f - 1, K, probe_after, probe_max)
+        state, k = spec.draft_gate(state, w - 1, f - 1, K, probe_after, probe_max)
         ok = ok and (i + 1 == len(folds) or folds[i + 1][0] - 1 <= k)
     return ok, state
 
 
 def test_draft_gate_closes_backs_off_and_reopens():
-    state, k, ks = [spec.GATE_INIT, 0, 4], 8, []
+    state, k, ks = [spec.GATE_INIT, 0, 4, 0], 4, []
     for _ in range(100):  # every draft fails
-        state, k = spec.draft_gate(state, k > 0, 0, 8)
+        state, k = spec.draft_gate(state, k, 0, 8)
         ks.append(k)
     drafting = [i for i, k in enumerate(ks) if k]
     assert drafting[:3] == [0, 1, 2]  # 1000 -> 750 -> 562 -> 421: still open; 315 closes it
+    assert set(ks) == {0, 4}  # after a failed draft, and for probes: half of K
     gaps = [b - a for a, b in zip(drafting[2:], drafting[3:])]
     assert gaps[:5] == [4, 8, 16, 32, 32]  # a failed probe doubles the wait for the next, up to 32
-    state, k = spec.draft_gate(state, True, 3, 8)  # a probe that lands reopens the gate
-    assert k == 8 and state == [state[0], 0, 4] and state[0] >= spec.GATE_OPEN
-    assert spec.draft_gate([500, 0, 4], False, 0, 8) == ([500, 0, 4], 8)  # no draft: no change
+    state, k = spec.draft_gate(state, 4, 4, 8)  # a probe accepted whole reopens the gate at full length
+    assert k == 8 and state == [state[0], 0, 4, 1] and state[0] >= spec.GATE_OPEN
+    state, k = spec.draft_gate(state, 8, 5, 8)  # accepted in part: still open, half length
+    assert k == 4 and state[3] == 0
+    assert spec.draft_gate([500, 0, 4, 1], 0, 0, 8) == ([500, 0, 4, 1], 8)  # no draft: no change
+    assert spec.short_draft(1) == 1 and spec.short_draft(5) == 3
 
 
 @pytest.mark.parametrize("prompt,repetitive", [(REPETITIVE, True), (PLAIN, False)])
@@ -141,11 +145,12 @@ def test_channel_specs_and_first_window(big):
                                          lru_size=6, lru_ngram=2, max_tokens=50)
     by = {c["name"]: c for c in chans}
     assert set(by) == {"out", "window", "lru_table", "lru_stamps", "spec_state"}
-    assert by["window"]["init"] == [9] + spec.ngram_lookup(REPETITIVE[-11:], 4) and by["window"]["capacity"] == 5
+    # the first draft is the gate's first length: half of K
+    assert by["window"]["init"] == [9] + spec.ngram_lookup(REPETITIVE[-11:], 4)[:2] and by["window"]["capacity"] == 5
     assert by["lru_table"]["capacity"] == 6 * (2 + 4) == len(by["lru_table"]["init"])
     # the prompt's leaders left of the lookup window are in the table already
     assert spec.lru_lookup(by["lru_table"]["init"], by["lru_stamps"]["init"], [5, 9], 2, 4) == [13, 4, 7, 5]
-    assert by["spec_state"]["init"] == [spec.GATE_INIT, 0, 4] and by["out"]["init"] == []
+    assert by["spec_state"]["init"] == [spec.GATE_INIT, 0, 4, 0] and by["out"]["init"] == []
     assert compile_program(text).checked.alias == {"R": "W"}
     # a history that can never outgrow the lookup window (prompt[:-1] + max_tokens <= 10) needs no table
     for n, has in ((10 - len(REPETITIVE[-6:]) + 1, False), (10 - len(REPETITIVE[-6:]) + 2, True)):

@@ -197,6 +197,28 @@ def test_ngram_lookup_random_against_reference():
         assert (got[0].tolist(), int(got[1])) == (et, ec), (hist, L, k, lo, hi)
 
 
+def test_ngram_lookup_host_equals_the_tensor_kernel():
+    # the CPU executor's byte search against the tensor kernel: multi-byte token values (a
+    # match may start mid-cell and must be skipped), padding inside the length, batches
+    import random
+
+    from host.epilogue import kernels
+    rng = random.Random(11)
+    for _ in range(500):
+        B, n = rng.randint(1, 3), rng.randint(1, 50)
+        alphabet = rng.choice([[0, 1], [0, 1, 256], [0, 1, 256, 65536, -1], list(range(7))])
+        h = torch.tensor([[rng.choice(alphabet) for _ in range(n)] for _ in range(B)])
+        L = [rng.randint(0, n) for _ in range(B)]
+        k, lo = rng.randint(1, 6), rng.randint(1, 3)
+        hi = rng.randint(lo, 4)
+        toks, cnt = kernels.ngram_lookup(h, torch.tensor(L), lo, hi, k)
+        htoks, hcnt = kernels.ngram_lookup_host(h, L, lo, hi, k)
+        assert (htoks.tolist(), hcnt) == (toks.tolist(), cnt.tolist()), (h.tolist(), L, k, lo, hi)
+    # 256 then 0 holds the bytes of "1, 0" one byte in: that is no occurrence of the suffix 1, 0
+    h = torch.tensor([[256, 0, 0, 5, 1, 0]])
+    assert kernels.ngram_lookup_host(h, None, 2, 2, 2)[1] == [0]
+
+
 def test_ngram_lookup_with_device_length():
     # a history buffer padded past its length: only the first L tokens count
     p = Program()

@@ -206,7 +206,16 @@ class Program:
         fold = stop = None
         writes: dict[str, list] = {}
         blank: set[int] = set()  # values the host knows are all padding (-1)
+        host_fn = self._host_fn
         for op in c.ops:
+            f = host_fn.get(op.index)
+            if f is not None and B == 1:  # the common case first: one pass, operands on the host
+                try:
+                    host[len(vals)] = [f(*[host[a][0] for a in op.args])]
+                    vals.append(None)
+                    continue
+                except KeyError:  # a device operand: the general path below
+                    pass
             if op.name == "fold":
                 W = bind["W"]
                 fold = [min(max(v, 0), W) for v in host[op.args[0]]] if op.args[0] in host \
@@ -246,7 +255,14 @@ class Program:
                 yl = host.get(op.args[3])
                 vals.append(self._pack(op, tensor(op.args[0]), host[op.args[1]], tensor(op.args[2]),
                                        yl if yl is not None else tensor(op.args[3])))
-            elif op.index in self._host_fn and (r := self._on_host(op, host, B)) is not None:
+            elif op.name == "ngram_lookup" and hoist and (len(op.args) == 1 or op.args[1] in host):
+                at = op.attrs
+                toks, counts = kernels.ngram_lookup_host(
+                    tensor(op.args[0]), host[op.args[1]] if len(op.args) == 2 else None, at.get("ngram_min", 1),
+                    at.get("ngram_max", max(at.get("ngram_min", 1), 3)), at["k"])
+                host[len(vals) + 1] = counts
+                vals.extend([toks, None])
+            elif f is not None and (r := self._on_host(op, host, B)) is not None:
                 if r[0] == "host":
                     host[len(vals)] = r[1]
                     vals.append(None)
@@ -319,8 +335,6 @@ class Program:
         f = self._host_fn[op.index]
         known = [a in host for a in op.args]
         if all(known):
-            if B == 1:
-                return "host", [f(*(host[a][0] for a in op.args))]
             return "host", [f(*xs) for xs in zip(*(host[a] for a in op.args))]
         if op.name in ("or", "and") and any(known):
             k, d = (op.args[0], op.args[1]) if known[0] else (op.args[1], op.args[0])

@@ -17,7 +17,7 @@ from inferlet import speculative
 # ngram-min 2: single-token matches propose drafts nearly every round and are mostly wrong, and
 # verifying any draft costs a step (a 2-row pass ~1.2x a 1-row pass on a CPU, 9 rows ~1.4x).
 # The lookup window covers most chat contexts whole (the LRU table holds what leaves it); the
-# lookup is one vectorised pass whatever its length.
+# lookup is one vectorised pass whatever its length (a byte search on the CPU).
 EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (2, int)}
 LOOKUP_WINDOW = 1024
 

@@ -107,24 +107,33 @@ GATE_INIT, GATE_OPEN = 1000, 400  # the acceptance estimate, in thousandths of a
 def draft_gate(state, drafted, accepted, K, probe_after=4, probe_max=32):
     """The device program's draft-length rule on plain ints (the reference; tests replay it).
 
-    state = [estimate, idle, wait]: estimate = a moving average (weight 1/4) of the drafts
-    accepted per round that drafted, in thousandths. While it is at least GATE_OPEN the next
-    round drafts all it can (up to K): a verify row is cheap next to the pass it rides on, so
-    a draft is worth its cost unless it mostly fails. Below that, drafting stops; after `wait`
-    rounds one probe round drafts again, and a probe that fails doubles `wait` (up to
-    probe_max), so a text that never matches pays for ever fewer probes. Rounds without a
-    candidate to draft do not move the estimate. Returns (new state, next draft length)."""
-    e, idle, wait = state
+    state = [estimate, idle, wait, whole]: estimate = a moving average (weight 1/4) of the
+    drafts accepted per round that drafted, in thousandths. While it is at least GATE_OPEN the
+    next round drafts; below that, drafting stops, and after `wait` rounds one probe round
+    drafts again; a probe that fails doubles `wait` (up to probe_max), so a text that never
+    matches pays for ever fewer probes. Rounds without a candidate (drafted == 0) move nothing.
+    whole = 1 when the last round that drafted had all its drafts accepted: only then does the
+    next draft take all K tokens; otherwise (also the first draft and probes) it takes
+    short_draft(K), since a rejected row costs a share of a pass and a match that has just
+    failed fails again more often than not. Returns (new state, next draft length)."""
+    e, idle, wait, whole = state
     if drafted:
         e = e - e // 4 + 250 * accepted
+        whole = int(accepted == drafted)
+    k = K if whole else short_draft(K)
     if e >= GATE_OPEN:
-        return [e, 0, probe_after], K
+        return [e, 0, probe_after, whole], k
     if drafted and idle < 0:
         wait = min(wait * 2, probe_max)
     idle = 1 if idle < 0 else idle + 1
     if idle >= wait:
-        return [e, -1, wait], K
-    return [e, idle, wait], 0
+        return [e, -1, wait, whole], k
+    return [e, idle, wait, whole], 0
+
+
+def short_draft(K):
+    """The draft length after a draft that was not accepted whole: half of K, rounded up."""
+    return (K + 1) // 2
 
 
 # --- the device program ------------------------------------------------------------
@@ -237,21 +246,23 @@ def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
 
 
 def _gate(p, d, n, K, probe_after, probe_max):
-    """draft_gate on the device: channel "spec_state" holds [estimate, idle, wait]; d drafts
-    went into this round, n were accepted. Returns the next round's draft length (0 or K)."""
-    p.channel("spec_state", "i64", 3)
+    """draft_gate on the device: channel "spec_state" holds [estimate, idle, wait, whole];
+    d drafts went into this round, n were accepted. Returns the next round's draft length."""
+    p.channel("spec_state", "i64", 4)
     st = p.read("spec_state")
-    e, idle, wait = st[0], st[1], st[2]
+    e, idle, wait, whole = st[0], st[1], st[2], st[3]
     drafted = d > 0
     e = p.where(drafted, e - e // 4 + n * 250, e)
+    whole = p.where(drafted, (n == d).cast("i64"), whole)
     is_open = e >= GATE_OPEN
     probed = idle < 0
     wait = p.where(is_open, probe_after, p.where(drafted & probed, p.minimum(wait * 2, probe_max), wait))
     idle = p.where(is_open, 0, p.where(probed, 1, idle + 1))
     probe = ~is_open & (idle >= wait)
-    j = p.arange(3)
-    p.set("spec_state", p.where(j == 0, e, p.where(j == 1, p.where(probe, -1, idle), wait)))
-    return p.where(is_open | probe, K, 0)
+    j = p.arange(4)
+    p.set("spec_state", p.where(j == 0, e, p.where(j == 1, p.where(probe, -1, idle),
+                                                     p.where(j == 2, wait, whole))))
+    return p.where(is_open | probe, p.where(whole > 0, K, short_draft(K)), 0)
 
 
 def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, probe_after):
@@ -268,8 +279,8 @@ def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, pr
                 drafts = lru_lookup(table, stamps, ctx[-g:], g, K)
             chans += [{"name": "lru_table", "dtype": "i64", "capacity": S * (g + K), "init": table},
                       {"name": "lru_stamps", "dtype": "i64", "capacity": S, "init": stamps}]
-        chans.append({"name": "spec_state", "dtype": "i64", "capacity": 3, "init": [GATE_INIT, 0, probe_after]})
-    drafts = drafts[:max(max_tokens - 1, 0)]
+        chans.append({"name": "spec_state", "dtype": "i64", "capacity": 4, "init": [GATE_INIT, 0, probe_after, 0]})
+    drafts = drafts[:max(min(short_draft(K), max_tokens - 1), 0)]  # the gate's first draft length
     chans.insert(1, {"name": "window", "dtype": "i64", "capacity": K + 1, "init": prompt[-1:] + drafts})
     return chans
 
