@@ -114,8 +114,9 @@ def draft_gate(state, drafted, accepted, K, probe_after=4, probe_max=32):
     matches pays for ever fewer probes. Rounds without a candidate (drafted == 0) move nothing.
     whole = 1 when the last round that drafted had all its drafts accepted: only then does the
     next draft take all K tokens; otherwise (also the first draft and probes) it takes
-    short_draft(K), since a rejected row costs a share of a pass and a match that has just
-    failed fails again more often than not. Returns (new state, next draft length)."""
+    short_draft(K): every rejected row costs a share of a pass, and replayed on the dev
+    prompts' greedy outputs, the rows this saves outweigh the accepted drafts it gives up.
+    Returns (new state, next draft length)."""
     e, idle, wait, whole = state
     if drafted:
         e = e - e // 4 + 250 * accepted
