@@ -256,10 +256,8 @@ class Program:
                 vals.append(self._pack(op, tensor(op.args[0]), host[op.args[1]], tensor(op.args[2]),
                                        yl if yl is not None else tensor(op.args[3])))
             elif op.name == "ngram_lookup" and hoist and (len(op.args) == 1 or op.args[1] in host):
-                at = op.attrs
                 toks, counts = kernels.ngram_lookup_host(
-                    tensor(op.args[0]), host[op.args[1]] if len(op.args) == 2 else None, at.get("ngram_min", 1),
-                    at.get("ngram_max", max(at.get("ngram_min", 1), 3)), at["k"])
+                    tensor(op.args[0]), host[op.args[1]] if len(op.args) == 2 else None, *kernels.ngram_params(op.attrs))
                 host[len(vals) + 1] = counts
                 vals.extend([toks, None])
             elif f is not None and (r := self._on_host(op, host, B)) is not None:

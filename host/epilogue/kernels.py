@@ -223,8 +223,7 @@ def run_op(ctx: Ctx, op: Op, a: list[torch.Tensor]) -> list[torch.Tensor]:
         return [_gather_fill(x, idx, _fill_of(op, outv[0].dtype))]
 
     if name == "ngram_lookup":
-        return ngram_lookup(a[0], a[1] if len(a) == 2 else None, at.get("ngram_min", 1),
-                            at.get("ngram_max", max(at.get("ngram_min", 1), 3)), at["k"])
+        return ngram_lookup(a[0], a[1] if len(a) == 2 else None, *ngram_params(at))
     if name == "verify_greedy":
         return verify_greedy(a[0], a[1])
     if name == "verify_sample":
@@ -240,6 +239,12 @@ def run_op(ctx: Ctx, op: Op, a: list[torch.Tensor]) -> list[torch.Tensor]:
     if name == "lru_update":
         return lru_update(a[0], a[1], a[2], a[3], a[4], at["g"], at["k"])
     raise NotImplementedError(name)  # effects are handled by the executor
+
+
+def ngram_params(at: dict) -> tuple[int, int, int]:
+    """An ngram_lookup op's (ngram_min, ngram_max, k), with the IR's defaults."""
+    nmin = at.get("ngram_min", 1)
+    return nmin, at.get("ngram_max", max(nmin, 3)), at["k"]
 
 
 def ngram_lookup(h: torch.Tensor, length: torch.Tensor | None, nmin: int, nmax: int, k: int):
