@@ -219,6 +219,25 @@ def test_ngram_lookup_host_equals_the_tensor_kernel():
     assert kernels.ngram_lookup_host(h, None, 2, 2, 2)[1] == [0]
 
 
+def test_argmax_helper_equals_torch_argmax():
+    # the CPU path runs numpy's argmax: same index as torch for ties (the first), NaN (the
+    # first NaN), infinities, integer dtypes, any axis and non-contiguous input
+    from host.epilogue import kernels
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        x = torch.randint(-3, 4, (3, 17), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[torch.rand(x.shape, generator=g) < 0.1] = float("nan")
+        if trial % 5 == 0:
+            x[torch.rand(x.shape, generator=g) < 0.1] = float("inf") * (1 if trial % 2 else -1)
+        for t in (x, x.t(), x.long(), x[:, ::2], x[0]):
+            if t.dtype == torch.int64 and trial % 3 == 0:
+                continue  # NaN has no integer value
+            for dim in range(t.dim()):
+                got = kernels.argmax(t, dim)
+                assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim)), (t, dim)
+
+
 def test_ngram_lookup_with_device_length():
     # a history buffer padded past its length: only the first L tokens count
     p = Program()

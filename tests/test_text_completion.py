@@ -68,6 +68,30 @@ def test_text_streams_as_generated(runtime, text_completion_wasm, engine):
     assert "".join(chunks) == r.text == engine.tokenizer.decode(r.token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_detokenizer_streams_the_full_decode(engine, fast):
+    # both paths (DecodeStream, and two decodes per push): chunks join to the full decode, a
+    # character split across tokens waits for its last byte, special tokens are skipped, and
+    # finish() flushes an incomplete tail as the full decode has it
+    from host.runtime.detok import Detokenizer
+    tok = engine.tokenizer
+    ids = tok("Hi wörld 😀 naïve — Привет, 世界!\n  x", add_special_tokens=False)["input_ids"]
+    ids = ids + [tok.eos_token_id] + ids
+    emoji = tok("😀", add_special_tokens=False)["input_ids"]
+    assert len(emoji) > 1  # a byte-level split: the case the hold-back is for
+    for tail in ([], emoji[:1]):
+        d = Detokenizer(tok)
+        if not fast:
+            d._stream = None
+        cuts = list(range(0, len(ids), 3)) + [len(ids)]  # pushes of one and two ids
+        cuts = sorted(set(cuts) | {c + 1 for c in cuts[:-1]})
+        chunks = [d.push(ids[a:b]) for a, b in zip(cuts, cuts[1:])]
+        chunks.append(d.push(tail))
+        chunks.append(d.finish())
+        assert "".join(chunks) == tok.decode(ids + tail, skip_special_tokens=True)
+        assert not any(c.endswith("\ufffd") for c in chunks[:-1])
+
+
 SAMPLED = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "1234")
 
 

@@ -30,6 +30,10 @@ class ComputeThread:
     def on_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def busy(self) -> bool:
+        """Whether tasks are queued (the running one aside)."""
+        return not self._tasks.empty()
+
     def submit(self, fn, *args, **kwargs) -> Future:
         """Queue fn(*args, **kwargs) behind every task already queued."""
         fut: Future = Future()

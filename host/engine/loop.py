@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..epilogue import Env, Result, SimpleChannel
 from ..errors import InvalidArgument
 from .engine import Pass, PassOutput
 from .working_set import WorkingSet
@@ -60,7 +61,8 @@ class LoopStats:
 @dataclass
 class DeviceLoop:
     """State of one looping pass. Channels follow host.runtime.channels.Channel:
-    `.buf` (device tensor), `.count` (host int), `.lock` (a Condition), `.notify()`."""
+    `.buf` (device tensor), `.count` (host int), `.lock` (a Condition), `.notify()`, and
+    optionally `.host` (buf's memory as a numpy array, where it is host memory)."""
 
     ws: WorkingSet
     program: object | None  # host.epilogue.Program; None: fold from fold_channel or the whole window
@@ -87,13 +89,16 @@ class DeviceLoop:
             raise InvalidArgument(f"the window channel holds {n} cells, more than the pass's window of {self.max_window}")
         # rows past this round's window are skipped: a variable window reads out what it has
         rows = list(range(n)) if self.readout is None else [r for r in self.readout if r < n]
-        # A copy: the epilogue overwrites the channel with the next window before readback.
-        return Pass(self.ws, self.embed.buf[:n].clone(), rows, fold=0, hidden=self.hidden)
+        # A copy: the epilogue overwrites the channel with the next window before readback
+        # (numpy's copy of host memory costs a third of torch's slice and clone).
+        host = getattr(self.embed, "host", None)
+        tokens = self.embed.buf[:n].clone() if host is None else torch.from_numpy(host[:n].copy())
+        return Pass(self.ws, tokens, rows, fold=0, hidden=self.hidden)
 
     def locks(self) -> list:
         if self._locks is None:  # the channels are fixed for the loop's life
-            chans = {id(c): c for c in [*self.channels.values(), self.embed, self.fold_channel] if c is not None}
-            self._locks = [chans[k].lock for k in sorted(chans)]
+            locks = {id(c.lock): c.lock for c in [*self.channels.values(), self.embed, self.fold_channel] if c is not None}
+            self._locks = [locks[k] for k in sorted(locks)]  # one order for every taker: no deadlock
         return self._locks
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -107,11 +112,9 @@ class DeviceLoop:
 def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device) -> list:
     """Run each loop's epilogue on its pass's outputs; channels are written in place on the device.
     Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device values)."""
-    from ..epilogue import Env, Result, SimpleChannel
-
     envs, progs = [], []
     for loop, ps, out in zip(loops, passes, outs):
-        chans = {name: SimpleChannel(ch.buf, ch.count) for name, ch in loop.channels.items()}
+        chans = {name: SimpleChannel(ch.buf, ch.count, getattr(ch, "host", None)) for name, ch in loop.channels.items()}
         hist = None
         if loop.program is not None and "history" in loop.program.uses:
             hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)  # host->device, no sync
@@ -133,14 +136,18 @@ def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list
     """The one host transfer per batch: the folds, stops and channel lengths that the epilogues left
     on the device, window tokens, and the new cells of channels that stream to the client (a
     channel with a `sink`). Values the host already knows (a constant fold, the length after a
-    write without a device count) are not transferred."""
+    write without a device count) are not transferred. On the CPU there is nothing to transfer:
+    each value is read from host memory where it is met."""
     parts: list[torch.Tensor] = []
 
     def later(x, many: bool = False):
-        """x itself if the host knows it, else a slot in the transfer."""
+        """x itself if the host knows it, its value if it is in host memory, else a slot in the transfer."""
         if x is None or isinstance(x, (int, bool, list)):
             return x
         x = x if x.dim() == 1 else x.reshape(-1)
+        if x.device.type == "cpu":  # reading host memory is a copy: nothing to batch
+            v = x.tolist()
+            return v if many else v[0]
         parts.append(x if x.dtype == torch.int64 else x.to(torch.int64))
         return _Slot(len(parts) - 1, many)
 
@@ -160,6 +167,9 @@ def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list
             if getattr(ch, "sink", None) is None:
                 continue
             n = lengths[name]
+            if isinstance(n, int) and getattr(ch, "host", None) is not None:  # host memory, known length
+                streamed[name] = ch.host[ch.count:n].tolist()
+                continue
             # a device length: read a bounded span now (a round appends at most a window's worth
             # in practice) and the rest, if any, separately below
             end = n if isinstance(n, int) else min(ch.capacity, ch.count + 2 * loop.max_window + 8)

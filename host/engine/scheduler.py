@@ -3,14 +3,14 @@
 Inferlet threads call `submit` and block on the returned future; device loops are started
 with `start_loop` and stay in every batch until they stop. Each step is a task on the compute
 thread (see compute.py): schedule (take what is pending), run (one model call), postprocess
-(commit folds, run epilogues, resolve futures); a step queues the next while work remains,
-so other compute tasks interleave between steps. A pass's result never depends on which
+(commit folds, run epilogues, resolve futures). While work remains, a step runs the next one
+at once if no other compute task is queued, else queues it behind them, so other compute
+tasks interleave between steps. A pass's result never depends on which
 others shared its batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -70,33 +70,40 @@ class Scheduler:
             self._queued = True
             self._compute.submit(self._tick)
 
-    def _tick(self) -> None:
-        with self._lock:
-            self._queued = False
-            if self._closed:
-                for _, fut in self._pending:
-                    fut.set_exception(PieError("the engine is shut down"))
-                for loop in self._loops:
-                    loop.finish(PieError("the engine is shut down"))
-                self._pending, self._loops = [], []
-                return
-            room = max(self.max_batch - len(self._loops), 1)
-            work, self._pending = self._pending[:room], self._pending[room:]
-            loops = [lp for lp in self._loops if not lp.done.done()]
-        try:
-            self._step(work, loops)
-        except Exception as e:  # an engine bug must not hang every inferlet
-            for _, fut in work:
-                if not fut.done():
-                    fut.set_exception(e)
-            for lp in loops:
-                lp.finish(e)
-        with self._lock:
-            self._loops = [lp for lp in self._loops if not lp.done.done()]
-            if self._pending or self._loops:
-                self._wake()
-
     @torch.inference_mode()  # no autograd bookkeeping on the small epilogue and index ops
+    def _tick(self) -> None:
+        while True:
+            with self._lock:
+                self._queued = False
+                if self._closed:
+                    for _, fut in self._pending:
+                        fut.set_exception(PieError("the engine is shut down"))
+                    for loop in self._loops:
+                        loop.finish(PieError("the engine is shut down"))
+                    self._pending, self._loops = [], []
+                    return
+                room = max(self.max_batch - len(self._loops), 1)
+                work, self._pending = self._pending[:room], self._pending[room:]
+                loops = [lp for lp in self._loops if not lp.done.done()]
+            try:
+                self._step(work, loops)
+            except Exception as e:  # an engine bug must not hang every inferlet
+                for _, fut in work:
+                    if not fut.done():
+                        fut.set_exception(e)
+                for lp in loops:
+                    lp.finish(e)
+            with self._lock:
+                self._loops = [lp for lp in self._loops if not lp.done.done()]
+                if not (self._pending or self._loops or self._closed):
+                    return
+                if self._compute.busy():  # other compute tasks wait: queue the next step behind them
+                    self._wake()
+                    return
+                # nothing else is queued: run the next step at once (a device loop's next round);
+                # a submit meanwhile finds a step pending and need not queue one
+                self._queued = True
+
     def _step(self, work: list[tuple[Pass, Future]], loops: list[DeviceLoop]) -> None:
         eng = self.engine
         live, loop_passes = [], []
@@ -141,10 +148,13 @@ class Scheduler:
         eng = self.engine
         loops = [r[0] for r in ran]
         passes = [r[1] for r in ran]
-        locks = sorted({id(lk): lk for lp in loops for lk in lp.locks()}.items())
-        with contextlib.ExitStack() as stack:
-            for _, lk in locks:
-                stack.enter_context(lk)
+        locks = loops[0].locks() if len(loops) == 1 else \
+            [lk for _, lk in sorted({id(lk): lk for lp in loops for lk in lp.locks()}.items())]
+        for lk in locks:
+            lk.acquire()
+        try:
+            # only a `take` on an empty channel waits: wake it when cells arrive, not every round
+            empty = [{name for name, ch in lp.channels.items() if ch.count == 0} for lp in loops]
             try:
                 results = run_epilogues(loops, passes, [r[3] for r in ran], eng.device)
                 backs = readback(loops, passes, results)
@@ -152,7 +162,7 @@ class Scheduler:
                 for lp in loops:
                     lp.finish(e)
                 return
-            for (lp, ps, first, _), back in zip(ran, backs):
+            for (lp, ps, first, _), back, was_empty in zip(ran, backs, empty):
                 fold = back["fold"]
                 if not 0 <= fold <= ps.window:
                     lp.finish(InvalidArgument(f"the epilogue set fold {fold}, outside 0..{ps.window} (the window)"))
@@ -164,12 +174,15 @@ class Scheduler:
                     ch = lp.channels[name]
                     ch.count = 0  # the sink consumes the cells
                     ch.sink(cells)
+                for name in was_empty:
+                    if lp.channels[name].count:
+                        lp.channels[name].lock.notify_all()
                 lp.stats.record(ps.window, fold)
                 lp.round += 1
                 if lp.on_round is not None:
                     lp.on_round(lp, ps.window, fold)
                 if back["stop"] or lp.round >= lp.rounds:
-                    lp.finish()
-        for lp in loops:
-            for ch in lp.channels.values():
-                ch.notify()
+                    lp.finish()  # the producers detach: waiting takes wake up
+        finally:
+            for lk in reversed(locks):
+                lk.release()

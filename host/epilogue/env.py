@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
+import numpy as np
 import torch
 
 
 class DeviceChannel(Protocol):
     buf: torch.Tensor  # [capacity], any of int32/int64/float32/bool
     length: int | torch.Tensor  # a host int, or a 0-d int64 tensor
+    host: np.ndarray | None  # optional: buf's memory as a numpy array, where it is host memory
 
 
 @dataclass
@@ -26,6 +28,7 @@ class SimpleChannel:
 
     buf: torch.Tensor
     length: int | torch.Tensor
+    host: np.ndarray | None = None
 
     @staticmethod
     def empty(capacity: int, dtype=torch.int64, device="cpu") -> "SimpleChannel":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from host.epilogue.validate import Op, Value
@@ -85,8 +86,20 @@ def _exp_race(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Rows without a positive weight give -1."""
     logw = torch.where(weights > 0, weights.clamp_min(1e-38).log(), torch.full_like(weights, -torch.inf))
     e = -torch.log(u.clamp_min(1e-38))
-    idx = (logw - torch.log(e)).argmax(-1)
+    idx = argmax(logw - torch.log(e))
     return torch.where((weights > 0).any(-1), idx, torch.full_like(idx, -1))
+
+
+_NP_ARGMAX = (torch.float32, torch.float64, torch.int64, torch.int32)
+
+
+def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """torch.argmax over `dim` (first index of the largest value; a NaN counts as the largest).
+    On the CPU, numpy's vectorised argmax gives the same index ~10x faster than torch's
+    (5 us against 50 us for one row of a 49k vocabulary here): greedy decoding pays it every round."""
+    if x.device.type == "cpu" and x.dtype in _NP_ARGMAX and x.numel() and not x.requires_grad:
+        return torch.from_numpy(np.asarray(np.argmax(x.numpy(), axis=dim)))
+    return x.argmax(dim)
 
 
 def _safe_int_div(a, b, mode):
@@ -141,7 +154,7 @@ def run_op(ctx: Ctx, op: Op, a: list[torch.Tensor]) -> list[torch.Tensor]:
         ax = at.get("axis", -1) % (x.dim() - 1) + 1
         if name == "sum":
             return [x.sum(ax, dtype=torch.int64) if x.dtype == torch.bool else x.sum(ax)]
-        fn = {"prod": torch.prod, "min": torch.amin, "max": torch.amax, "argmax": torch.argmax,
+        fn = {"prod": torch.prod, "min": torch.amin, "max": torch.amax, "argmax": argmax,
               "argmin": torch.argmin, "any": torch.any, "all": torch.all}[name]
         return [fn(x, dim=ax)]
     if name in ("cumsum", "cumprod"):
@@ -352,7 +365,7 @@ def lru_lookup(table: torch.Tensor, stamps: torch.Tensor, key: torch.Tensor, g: 
     B, S = stamps.shape
     rows = table.view(B, S, g + k)
     match = (stamps >= 0) & (rows[..., :g] == key.unsqueeze(1)).all(-1) & (key >= 0).all(-1, keepdim=True)
-    best = torch.where(match, stamps, torch.full_like(stamps, -1)).argmax(-1)
+    best = argmax(torch.where(match, stamps, torch.full_like(stamps, -1)))
     fol = rows[..., g:].gather(1, best.view(B, 1, 1).expand(B, 1, k)).squeeze(1)
     ok = (fol >= 0).to(torch.int64).cumprod(-1).bool() & match.any(-1, keepdim=True)
     return [torch.where(ok, fol, torch.full_like(fol, -1)), ok.sum(-1)]
@@ -390,7 +403,7 @@ def lru_update(table: torch.Tensor, stamps: torch.Tensor, seq: torch.Tensor, len
     match = (stamps >= 0).unsqueeze(1) & (rows[..., :g].unsqueeze(1) == leads.unsqueeze(2)).all(-1)  # [B, E, S]
     found = match.any(-1)
     hit, new = eff & found, eff & ~found
-    hit_slot = match.to(torch.int64).argmax(-1)
+    hit_slot = argmax(match.to(torch.int64))
     refreshed = torch.zeros(B, S + 1, dtype=torch.bool, device=dev).scatter(
         1, torch.where(hit, hit_slot, S), True)[:, :S]
     # rows new leaders may take: empty, then least recently stamped; refreshed rows last

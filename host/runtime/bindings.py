@@ -24,6 +24,7 @@ from ..engine.compute import compute
 from ..engine.loop import DeviceLoop, LoopStats
 from ..errors import InvalidArgument, BadHandle, PieError
 from .channels import Channel
+from .detok import Detokenizer
 from .errors import ChannelClosed, Unsupported
 from .sampling import Sampler, argmax
 
@@ -62,10 +63,7 @@ class InstanceHost:
         # output
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
-        # incremental detokenization (as in vLLM): text of token_ids[_prefix:_read] is already
-        # streamed; decoding from _prefix keeps a merge across the boundary (spaces, UTF-8) right
-        self._prefix = 0
-        self._read = 0
+        self._detok = Detokenizer(engine.tokenizer)
         self._out_lock = threading.Lock()
         # counters (the host's, not the guest's)
         self.guest_calls = 0
@@ -186,7 +184,7 @@ class InstanceHost:
         self._check_ids(tokens)
         with self._out_lock:
             self.token_ids.extend(tokens)
-            self._stream_tokens(final=False)
+            self._stream(self._detok.push(tokens))
 
     def emit_channel(self, h: int) -> None:
         ch = self._ch(h)
@@ -196,21 +194,12 @@ class InstanceHost:
         def sink(cells: list[int]) -> None:  # called by the compute thread after each round
             with self._out_lock:
                 self.token_ids.extend(cells)
-                self._stream_tokens(final=False)
+                self._stream(self._detok.push(cells))
         ch.sink = sink
-
-    def _stream_tokens(self, final: bool) -> None:
-        decode = self.engine.tokenizer.decode
-        seen = decode(self.token_ids[self._prefix:self._read], skip_special_tokens=True)
-        text = decode(self.token_ids[self._prefix:], skip_special_tokens=True)
-        if len(text) > len(seen) and (final or not text.endswith("\ufffd")):  # else: an incomplete UTF-8 sequence
-            self._stream(text[len(seen):])
-            self._prefix, self._read = self._read, len(self.token_ids)
 
     def finish_output(self) -> None:
         with self._out_lock:
-            if self.token_ids:
-                self._stream_tokens(final=True)
+            self._stream(self._detok.finish())
 
     @property
     def text(self) -> str:

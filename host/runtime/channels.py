@@ -36,6 +36,9 @@ class Channel:
         self.element = element
         self.capacity = capacity
         self.buf = torch.zeros(capacity, dtype=ELEMENTS[element][0], device=device)
+        # the same memory as a numpy array where it is host memory: the device loop reads and
+        # writes a few cells a round, and numpy's indexing costs a fraction of torch's
+        self.host = self.buf.numpy() if self.buf.device.type == "cpu" else None
         self.count = 0
         self.closed = False
         self.producers = 0

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ..epilogue.kernels import argmax as _argmax
 from ..errors import InvalidArgument
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
     """One id per row; ties go to the lowest id, as in HF greedy generation."""
-    return logits.argmax(-1).tolist()
+    return _argmax(logits, -1).tolist()
 
 
 class Sampler:
