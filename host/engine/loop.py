@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..epilogue import Env, Result, SimpleChannel
+from ..epilogue import Env, Result, SimpleChannel, host_readable
 from ..errors import InvalidArgument
 from .engine import Pass, PassOutput
 from .working_set import WorkingSet
@@ -145,7 +145,7 @@ def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list
         if x is None or isinstance(x, (int, bool, list)):
             return x
         x = x if x.dim() == 1 else x.reshape(-1)
-        if x.device.type == "cpu":  # reading host memory is a copy: nothing to batch
+        if host_readable(x.device):  # reading host memory is a copy: nothing to batch
             v = x.tolist()
             return v if many else v[0]
         parts.append(x if x.dtype == torch.int64 else x.to(torch.int64))

@@ -45,6 +45,11 @@ _HOST_OPS = {
 HOST_READABLE = ("cpu",)
 
 
+def host_readable(device: torch.device) -> bool:
+    """Whether the host reads `device`'s memory directly (looked up per call: tests switch it off)."""
+    return device.type in HOST_READABLE
+
+
 class Program:
     """A validated epilogue. `run(envs)` executes it for several passes at once."""
 
@@ -206,7 +211,7 @@ class Program:
                 vals[i] = torch.tensor(host[i], dtype=kernels.TORCH_DTYPE[c.values[i].dtype], device=dev)
             return vals[i]
 
-        hoist = dev.type in HOST_READABLE
+        hoist = host_readable(dev)
         fold = stop = None
         writes: dict[str, list] = {}
         blank: set[int] = set()  # values the host knows are all padding (-1)
@@ -384,7 +389,7 @@ class Program:
         copy and its new length is a host int; with a device count the cells past it keep their
         old contents (a select) and the new length stays on the device until the batch's readback."""
         M = vals.shape[1]
-        host_mem, src = vals.device.type in HOST_READABLE, None
+        host_mem, src = host_readable(vals.device), None
         out = []
         for b, env in enumerate(envs):
             ch = env.channels[op.attrs["channel"]]
