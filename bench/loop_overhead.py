@@ -7,6 +7,8 @@ Runs each prompt (chat template) through HF generate greedy, text-completion --l
 side in one process. Host overhead per round = (run wall time - engine model time) / rounds:
 everything that is not the model call (guest code, crossings, scheduling, epilogues, readback).
 
+The runs have no streaming client, so their text is decoded once at the end; the device loop is
+also measured streaming its text as it goes (a detokeniser step per round on the compute thread).
 It is also measured for the device loop with the model call replayed (its last one-row output
 returned again, no model run): the host's own work with warm caches. A model call streams the
 whole model's weights through the CPU caches, so the host code after it runs several times slower
@@ -49,14 +51,14 @@ def _us(x) -> str:
     return "n/a" if x is None else f"{x:.0f}"
 
 
-def overhead(rt, wasm, engine, prompt: str, mode: str, n: int):
+def overhead(rt, wasm, engine, prompt: str, mode: str, n: int, on_text=None):
     """(result of the n-token run, host overhead per round in us): two runs, 1 and n tokens, so
     the prompt's prefill and the guest's start and end cancel out."""
     runs = []
     for max_tokens in (1, n):
         m0 = engine.model_time_s
         res = rt.run(wasm, ["--prompt", prompt, "--chat", "--max-tokens", str(max_tokens), "--loop", mode],
-                     name="text-completion")
+                     name="text-completion", on_text=on_text)
         runs.append((res, res.stats["wall_s"] - (engine.model_time_s - m0)))
     (one, host1), (res, host_n) = runs
     extra = res.stats["passes"] - one.stats["passes"]  # none if the answer is one token long
@@ -96,13 +98,16 @@ def main(argv=None) -> dict:
                 rec[m] = {"tps": len(res.token_ids) / s["wall_s"], "same": res.token_ids == ref,
                           "overhead_us_per_round": host,
                           "guest_calls_per_token": s["guest_calls"] / max(len(res.token_ids), 1)}
+            rec["device_streaming_overhead_us_per_round"] = overhead(
+                rt, wasm, engine, r["prompt"], "device", n, on_text=lambda text: None)[1]
             with replayed_model(engine):
                 rec["device_warm_overhead_us_per_round"] = overhead(rt, wasm, engine, r["prompt"], "device", n)[1]
             per.append(rec)
             print(f"prompt {r['id']}: hf {rec['hf_tps']:.1f} guest {rec['guest']['tps']:.1f} device "
                   f"{rec['device']['tps']:.1f} tok/s; overhead guest {_us(rec['guest']['overhead_us_per_round'])} us, "
                   f"device {_us(rec['device']['overhead_us_per_round'])} us per round "
-                  f"({_us(rec['device_warm_overhead_us_per_round'])} us with the model call replayed)", flush=True)
+                  f"({_us(rec['device_streaming_overhead_us_per_round'])} us streaming, "
+                  f"{_us(rec['device_warm_overhead_us_per_round'])} us with the model call replayed)", flush=True)
     def med(f):
         xs = [v for v in map(f, per) if v is not None]  # None: a one-token answer has no rounds
         return statistics.median(xs) if xs else None
@@ -112,6 +117,7 @@ def main(argv=None) -> dict:
                    "guest_calls_per_token_median": med(lambda x: x[m]["guest_calls_per_token"]),
                    "identical_to_hf": all(x[m]["same"] for x in per)} for m in modes}
     summary["hf"] = {"tps_median": med(lambda x: x["hf_tps"])}
+    summary["device_streaming"] = {"overhead_us_per_round_median": med(lambda x: x["device_streaming_overhead_us_per_round"])}
     summary["device_warm"] = {"overhead_us_per_round_median": med(lambda x: x["device_warm_overhead_us_per_round"])}
     result = {"benchmark": "loop_overhead", "model": engine.info.name, "dtype": engine.info.dtype,
               "device": engine.info.device, "prompts": [r["id"] for r in rows], "new_tokens": n,
@@ -123,6 +129,8 @@ def main(argv=None) -> dict:
                   + [[f"text-completion --loop {m}", summary[m]["tps_median"], summary[m]["ratio_vs_hf"],
                       summary[m]["overhead_us_per_round_median"], summary[m]["guest_calls_per_token_median"],
                       summary[m]["identical_to_hf"]] for m in modes]
+                  + [["text-completion --loop device, streaming its text", "", "",
+                      summary["device_streaming"]["overhead_us_per_round_median"], "", ""]]
                   + [["text-completion --loop device, model call replayed (warm caches)", "", "",
                       summary["device_warm"]["overhead_us_per_round_median"], "", ""]]))
     path = write("loop_overhead", result, md)

@@ -35,6 +35,10 @@ class Chan:
         self.buf[: self.count] = torch.tensor(list(values), dtype=torch.int64)
         self.lock = threading.Condition()
 
+    @property
+    def length(self):
+        return self.count
+
     def notify(self):
         with self.lock:
             self.lock.notify_all()

@@ -124,3 +124,32 @@ def test_thousands_of_rounds_leak_nothing(tiny):
         assert not sched._loops
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("memory", ["host", "device"])
+def test_window_with_a_token_outside_the_vocabulary_fails_that_loop_only(tiny, memory):
+    # host: the runtime's channels (host memory here): the window reaches the engine as host
+    # ints, validated like any pass's tokens. device: a channel without a host view, as on CUDA:
+    # the ids stay on the device, clamped for the pass and checked on the host after it.
+    # Either way the loop fails alone, commits nothing, and the loop sharing its batch runs on.
+    from host.errors import InvalidArgument
+    from host.runtime.channels import Channel
+    eng, _ = tiny
+    sched = Scheduler(eng)
+    try:
+        bad_ws = eng.new_working_set()
+        if memory == "host":
+            out, win = Channel("uint32", 256, eng.device), Channel("uint32", 1, eng.device)
+            win.put([eng.info.vocab_size + 3])
+        else:
+            out, win = Chan(256), Chan(1, [eng.info.vocab_size + 3])
+        bad = sched.start_loop(DeviceLoop(bad_ws, compile_program(greedy_program(8, eos=-5)),
+                                          {"out": out, "window": win}, win, max_window=1, rounds=8))
+        ws, good_out, good = start_greedy_loop(sched, eng, [5, 9, 13, 4], 8)
+        with pytest.raises(InvalidArgument, match=f"token id {eng.info.vocab_size + 3} is outside the vocabulary"):
+            bad.result(timeout=60)
+        assert bad_ws.frozen == 0 and out.count == 0
+        good.result(timeout=60)
+        assert good_out.cells() == plain_greedy(eng, [5, 9, 13, 4], 8)
+    finally:
+        sched.close()

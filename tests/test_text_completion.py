@@ -92,6 +92,26 @@ def test_detokenizer_streams_the_full_decode(engine, fast):
         assert not any(c.endswith("\ufffd") for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_output_text_keeps_the_order_of_emits_and_sends(engine, streaming):
+    # without a streaming client, emitted ids are decoded only when text is needed: a send
+    # between two emits still lands between their texts, as it does when streaming
+    from host.runtime.bindings import InstanceHost
+    tok = engine.tokenizer
+    a = tok("Hello wörld", add_special_tokens=False)["input_ids"]
+    b = tok(" and 😀 more", add_special_tokens=False)["input_ids"]
+    chunks = []
+    host = InstanceHost(engine, None, [], 10.0, 0.01, on_text=chunks.append if streaming else None)
+    host.emit(a)
+    host.send("|sent|")
+    host.emit(b[:1])
+    host.emit(b[1:])
+    host.finish_output()
+    want = tok.decode(a, skip_special_tokens=True) + "|sent|" + tok.decode(b, skip_special_tokens=True)
+    assert host.text == want and host.token_ids == a + b
+    assert "".join(chunks) == (want if streaming else "")
+
+
 SAMPLED = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "1234")
 
 

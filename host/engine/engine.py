@@ -52,10 +52,10 @@ class Pass:
     readout: list[int]
     fold: int | None = None
     hidden: bool = False
+    window: int = field(init=False)  # len(tokens), read many times a step (a tensor's len is slow)
 
-    @property
-    def window(self) -> int:
-        return len(self.tokens)
+    def __post_init__(self):
+        self.window = len(self.tokens)
 
 
 @dataclass
@@ -183,6 +183,11 @@ class Engine:
         self._copy_slots(src, dst)
 
     # ---- validation -----------------------------------------------------------------
+    def check_ids(self, tokens: list[int]) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
+
     def check_pass(self, ps: Pass) -> None:
         """Raise a PieError if the pass cannot run; changes nothing."""
         ps.ws.check_alive()
@@ -194,9 +199,7 @@ class Engine:
                 f"window of {w} rows at frozen length {ps.ws.frozen} exceeds the model's context of "
                 f"{self.info.context_len} rows; truncate or evict rows first")
         if isinstance(ps.tokens, list):
-            bad = [t for t in ps.tokens if not 0 <= t < self.info.vocab_size]
-            if bad:
-                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
+            self.check_ids(ps.tokens)
         bad_rows = [r for r in ps.readout if not 0 <= r < w]
         if bad_rows:
             raise InvalidArgument(f"readout row {bad_rows[0]} is outside the window of {w} rows")
@@ -256,40 +259,48 @@ class Engine:
             readout.extend(offset + r for r in ps.readout)
             splits.append(len(ps.readout))
             offset += w
-        tok = [torch.tensor(ps.tokens, dtype=torch.long, device=dev) if isinstance(ps.tokens, list)
-               else ps.tokens if ps.tokens.dtype == torch.long and ps.tokens.device == dev
-               else ps.tokens.to(dev, torch.long) for ps in passes]
-        input_ids = torch.cat(tok) if len(tok) > 1 else tok[0]
-        # positions and slots in one host->device copy (on the CPU numpy builds it: a third cheaper)
-        idx = torch.from_numpy(np.array(pos + slots + readout, dtype=np.int64)) if dev.type == "cpu" \
-            else torch.tensor(pos + slots + readout, device=dev)
         n, t = len(readout), len(pos)
-        meta = attention.BatchMeta(self.kv, idx[t:2 * t], self._groups(passes))
-        return Batch(passes, firsts, input_ids, idx[:t], meta, idx[2 * t:2 * t + n], splits)
+        if dev.type == "cpu" and all(isinstance(ps.tokens, list) for ps in passes):
+            # host ints all: one numpy array, whose slices torch shares (a third cheaper than torch's copy)
+            idx = np.array([x for ps in passes for x in ps.tokens] + pos + slots + readout, dtype=np.int64)
+            input_ids, positions, slot_map, rows = (torch.from_numpy(idx[a:b]) for a, b in
+                                                    ((0, t), (t, 2 * t), (2 * t, 3 * t), (3 * t, 3 * t + n)))
+        else:
+            tok = [torch.tensor(ps.tokens, dtype=torch.long, device=dev) if isinstance(ps.tokens, list)
+                   else ps.tokens if ps.tokens.dtype == torch.long and ps.tokens.device == dev
+                   else ps.tokens.to(dev, torch.long) for ps in passes]
+            # Ids on the device are checked on the host after the pass (the scheduler, from the
+            # readback): until then none may index outside the embedding, where CUDA would fail
+            # the whole device context instead of this one pass.
+            input_ids = (torch.cat(tok) if len(tok) > 1 else tok[0]).clamp(0, self.info.vocab_size - 1)
+            idx = torch.tensor(pos + slots + readout, device=dev)  # one host->device copy
+            positions, slot_map, rows = idx[:t], idx[t:2 * t], idx[2 * t:2 * t + n]
+        meta = attention.BatchMeta(self.kv, slot_map, self._groups(passes))
+        return Batch(passes, firsts, input_ids, positions, meta, rows, splits)
 
     # Windows up to this many rows share one padded attention call; longer ones (prefills) get
     # their own, so one long prompt does not pad every decode row of the batch to its length.
     SMALL_WINDOW = 16
 
     def _groups(self, passes: list[Pass]) -> list[attention.Group]:
+        if len(passes) == 1:  # a lone pass (a decode step): one group, nothing to partition
+            return [self._group(passes, [0], [0], True)]
         starts = list(itertools.accumulate((ps.window for ps in passes), initial=0))[:-1]
         small = [i for i, ps in enumerate(passes) if ps.window <= self.SMALL_WINDOW]
         sets = ([small] if small else []) + [[i] for i, ps in enumerate(passes) if ps.window > self.SMALL_WINDOW]
-        whole = len(sets) == 1
-        groups = []
-        for idx in sets:
-            ends = [passes[i].ws.frozen + passes[i].window for i in idx]  # each pass's context length
-            used = passes[idx[0]].ws.pages[:-(-ends[0] // self.pool.page_size)]
-            if len(idx) == 1 and used == list(range(used[0], used[0] + len(used))):
-                # one pass whose context is one run of pool slots: attention reads a view
-                first = used[0] * self.pool.page_size
-                ctx, ctx_range = None, (first, first + ends[0])
-            else:
-                ctx, ctx_range = [passes[i].ws.slots(0, end) for i, end in zip(idx, ends)], None
-            groups.append(attention.make_group(
-                self.device, [starts[i] for i in idx], [passes[i].window for i in idx],
-                [passes[i].ws.frozen for i in idx], ends, ctx, ctx_range, whole))
-        return groups
+        return [self._group(passes, idx, [starts[i] for i in idx], len(sets) == 1) for idx in sets]
+
+    def _group(self, passes: list[Pass], idx: list[int], starts: list[int], whole: bool) -> attention.Group:
+        ends = [passes[i].ws.frozen + passes[i].window for i in idx]  # each pass's context length
+        used = passes[idx[0]].ws.pages[:-(-ends[0] // self.pool.page_size)]
+        if len(idx) == 1 and used[-1] - used[0] == len(used) - 1 and used == list(range(used[0], used[-1] + 1)):
+            # one pass whose context is one run of pool slots: attention reads a view
+            first = used[0] * self.pool.page_size
+            ctx, ctx_range = None, (first, first + ends[0])
+        else:
+            ctx, ctx_range = [passes[i].ws.slots(0, end) for i, end in zip(idx, ends)], None
+        return attention.make_group(self.device, starts, [passes[i].window for i in idx],
+                                    [passes[i].ws.frozen for i in idx], ends, ctx, ctx_range, whole)
 
     def run(self, batch: Batch) -> list[PassOutput]:
         if not torch.is_inference_mode_enabled():  # the scheduler's steps run in it already

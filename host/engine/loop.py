@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..epilogue import Env, Result, SimpleChannel, host_readable
+from ..epilogue import Env, Result, host_readable
 from ..errors import InvalidArgument
 from .engine import Pass, PassOutput
 from .working_set import WorkingSet
@@ -61,8 +61,9 @@ class LoopStats:
 @dataclass
 class DeviceLoop:
     """State of one looping pass. Channels follow host.runtime.channels.Channel:
-    `.buf` (device tensor), `.count` (host int), `.lock` (a Condition), `.notify()`, and
-    optionally `.host` (buf's memory as a numpy array, where it is host memory)."""
+    `.buf` (device tensor), `.count` (host int) and `.length` (the same: the epilogue reads
+    them as they are), `.lock` (a Condition), `.notify()`, and optionally `.host` (buf's
+    memory as a numpy array, where it is host memory)."""
 
     ws: WorkingSet
     program: object | None  # host.epilogue.Program; None: fold from fold_channel or the whole window
@@ -89,10 +90,11 @@ class DeviceLoop:
             raise InvalidArgument(f"the window channel holds {n} cells, more than the pass's window of {self.max_window}")
         # rows past this round's window are skipped: a variable window reads out what it has
         rows = list(range(n)) if self.readout is None else [r for r in self.readout if r < n]
-        # A copy: the epilogue overwrites the channel with the next window before readback
-        # (numpy's copy of host memory costs a third of torch's slice and clone).
+        # A copy: the epilogue overwrites the channel with the next window before readback.
+        # In host memory the copy is a list (the engine validates and indexes it without a
+        # torch op, and the commit needs it as one); on a device it stays there.
         host = getattr(self.embed, "host", None)
-        tokens = self.embed.buf[:n].clone() if host is None else torch.from_numpy(host[:n].copy())
+        tokens = self.embed.buf[:n].clone() if host is None else host[:n].tolist()
         return Pass(self.ws, tokens, rows, fold=0, hidden=self.hidden)
 
     def locks(self) -> list:
@@ -114,12 +116,15 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
     Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device values)."""
     envs, progs = [], []
     for loop, ps, out in zip(loops, passes, outs):
-        chans = {name: SimpleChannel(ch.buf, ch.count, getattr(ch, "host", None)) for name, ch in loop.channels.items()}
         hist = None
         if loop.program is not None and "history" in loop.program.uses:
             hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)  # host->device, no sync
-        envs.append(Env(logits=out.logits, window=ps.tokens, history=hist, hidden=out.hidden,
-                        channels=chans, seed=loop.seed, round=loop.round))
+        window, window_len = ps.tokens, None
+        if isinstance(window, list):  # host tokens: a tensor only for a program that reads them
+            window, window_len = (torch.tensor(window, dtype=torch.int64, device=device), None) \
+                if loop.program is not None and "window" in loop.program.uses else (None, len(window))
+        envs.append(Env(logits=out.logits, window=window, history=hist, hidden=out.hidden,
+                        channels=loop.channels, seed=loop.seed, round=loop.round, window_len=window_len))
         progs.append(loop.program)
     results: list = [Result()] * len(loops)
     by_prog: dict[int, list[int]] = {}

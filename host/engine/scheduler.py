@@ -167,6 +167,12 @@ class Scheduler:
                 if not 0 <= fold <= ps.window:
                     lp.finish(InvalidArgument(f"the epilogue set fold {fold}, outside 0..{ps.window} (the window)"))
                     continue
+                if not isinstance(ps.tokens, list):  # device ids, clamped for the pass (Engine._build)
+                    try:
+                        eng.check_ids(back["tokens"])
+                    except InvalidArgument as e:  # nothing of the round is committed
+                        lp.finish(e)
+                        continue
                 eng.commit(ps, first, fold, back["tokens"])
                 for name, ch in lp.channels.items():
                     ch.count = back["lengths"][name]

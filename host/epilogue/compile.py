@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from host.epilogue import ir, kernels
@@ -23,6 +24,7 @@ from host.epilogue.validate import Checked, _slice_len, check
 _CACHE_SIZE = 256
 _CONSTS_MAX = 512  # shape-only values kept per program (history lengths vary)
 _SHAPE_ONLY = ("const", "full", "arange")  # size is a host value (see _run_batch)
+_FLOAT_READOUTS = ("logits", "hidden", "draft_logits")  # f32 inputs a pass's readout provides
 
 
 def _wrap(x: int) -> int:  # i64 arithmetic wraps as it does on the device
@@ -57,7 +59,8 @@ class Program:
         self.checked = checked
         self.digest = digest
         self.text = text
-        self._bind_ok: set = set()
+        self._bind_ok: set = set()  # (symbols, their values) whose ops' shapes were checked
+        self._binds_seen: set = set()  # values of every symbol, for bindings checked whole
         # (op index, device, batch, resolved shape) -> (values, host scalar or None), and cached
         # aranges: shape-only values are made once, not per round
         self._consts: dict = {}
@@ -72,6 +75,7 @@ class Program:
         self._by_syms: dict[tuple, list] = {}
         for op in checked.ops:
             self._by_syms.setdefault(self._op_syms(op), []).append(op)
+        self._syms = tuple(sorted({x for syms in self._by_syms for x in syms}))
         # ops that may run on the host: scalar i64/bool results of simple integer ops
         self._host_fn = {op.index: _HOST_OPS[op.name] for op in checked.ops
                          if op.name in _HOST_OPS and len(op.outs) == 1
@@ -116,19 +120,27 @@ class Program:
             if ch is None:
                 raise ProgramError(f"epilogue uses channel {name!r} but it is not bound")
             cap = self.checked.channels[name].capacity
-            if ch.buf.dim() != 1 or ch.buf.shape[0] != cap:
+            if ch.buf.shape != (cap,):
                 raise ProgramError(f"channel {name!r} has capacity {tuple(ch.buf.shape)}; the epilogue declares {cap}")
         # Resolve every static shape under this binding (host ints only), once per distinct value
         # of the symbols each op's shapes use: a history length that grows every round re-checks
         # only the ops that depend on N.
         if len(self._bind_ok) > _CONSTS_MAX:
             self._bind_ok.clear()
+            self._binds_seen.clear()
+        whole = tuple(bind.get(x) for x in self._syms)  # a binding seen before: nothing to re-check
+        if whole in self._binds_seen:
+            return self._check_fold(bind)
         for syms, ops in self._by_syms.items():
             key = (syms, tuple(bind.get(x) for x in syms))
             if key not in self._bind_ok:
                 for op in ops:
                     self._check_op(op, bind)
                 self._bind_ok.add(key)
+        self._binds_seen.add(whole)
+        self._check_fold(bind)
+
+    def _check_fold(self, bind: dict[str, int]) -> None:
         if self.has_fold and "W" not in bind:
             raise ProgramError("epilogue sets fold but the pass gives no window length")
 
@@ -198,20 +210,36 @@ class Program:
         # integer arithmetic on them) are computed in Python, per pass: a tensor is made only when
         # a device op needs one, so a stop test on the round, say, costs no device op at all.
         host: dict[int, list] = {}
+        # In host memory a value may be held as a numpy array instead: one pass's float readouts
+        # are read as arrays and ops with a numpy kernel (argmax) keep them so; a tensor is made
+        # from an array only when a torch kernel needs one (a greedy round then makes none).
+        hoist = host_readable(dev)
+        arrays: dict[int, np.ndarray] = {}
         vals: list[torch.Tensor | None] = []
         for i, inp in enumerate(c.inputs):
             if inp.kind == "round":
                 host[i] = [e.round for e in envs]
             elif inp.kind == "channel_len":
                 host[i] = [host_length(e.channels[inp.channel]) for e in envs]
-            vals.append(None if i in host else self._input(inp, envs, dev))
+            elif hoist and B == 1 and inp.kind in _FLOAT_READOUTS:
+                t = getattr(envs[0], inp.kind)
+                if t.dtype == torch.float32 and not t.requires_grad:
+                    arrays[i] = t.numpy()[None]
+            vals.append(None if i in host or i in arrays else self._input(inp, envs, dev))
 
         def tensor(i: int) -> torch.Tensor:
             if vals[i] is None:
-                vals[i] = torch.tensor(host[i], dtype=kernels.TORCH_DTYPE[c.values[i].dtype], device=dev)
+                a = arrays.get(i)
+                vals[i] = torch.from_numpy(a) if a is not None else \
+                    torch.tensor(host[i], dtype=kernels.TORCH_DTYPE[c.values[i].dtype], device=dev)
             return vals[i]
 
-        hoist = host_readable(dev)
+        def array(i: int):
+            a = arrays.get(i)
+            if a is None:
+                a = arrays[i] = tensor(i).numpy()
+            return a
+
         fold = stop = None
         writes: dict[str, list] = {}
         blank: set[int] = set()  # values the host knows are all padding (-1)
@@ -233,8 +261,10 @@ class Program:
                 stop = host[op.args[0]] if op.args[0] in host else tensor(op.args[0])
             elif op.name in ("put", "set"):
                 cnt = op.args[1] if len(op.args) > 1 else None
+                src = array(op.args[0]) if hoist else None
                 writes[op.attrs["channel"]] = self._write(
-                    op, tensor(op.args[0]), host[cnt] if cnt in host else None if cnt is None else tensor(cnt), envs)
+                    op, host[cnt] if cnt in host else None if cnt is None else tensor(cnt), envs,
+                    src, tensor(op.args[0]) if src is None else None)
             elif op.name == "size":  # i64 []
                 # a history length changes every round: keep it on the host, a tensor only on demand
                 host[len(vals)] = [self._measured(op, bind)] * B
@@ -269,10 +299,16 @@ class Program:
                     tensor(op.args[0]), host[op.args[1]] if len(op.args) == 2 else None, *kernels.ngram_params(op.attrs))
                 host[len(vals) + 1] = counts
                 vals.extend([toks, None])
-            elif op.name == "index" and hoist and op.outs[0] in self._scalar_ints and vals[op.args[0]] is not None \
-                    and vals[op.args[0]].dim() == 2:  # a scalar read from host memory: no select, no tolist
-                x, i = vals[op.args[0]].numpy(), op.attrs["i"]
+            elif op.name == "index" and hoist and op.outs[0] in self._scalar_ints \
+                    and (op.args[0] in arrays or vals[op.args[0]] is not None) and array(op.args[0]).ndim == 2:
+                x, i = array(op.args[0]), op.attrs["i"]  # a scalar read from host memory: no select, no tolist
                 host[len(vals)] = [x[b, i].item() for b in range(B)]
+                vals.append(None)
+            elif op.name == "argmax" and op.args[0] in arrays:  # numpy's, as kernels.argmax on the CPU
+                x = arrays[op.args[0]]
+                out = arrays[len(vals)] = kernels.argmax_np(x, op.attrs.get("axis", -1) % (x.ndim - 1) + 1)
+                if op.outs[0] in self._scalar_ints:
+                    host[len(vals)] = out.tolist()
                 vals.append(None)
             elif f is not None and (r := self._on_host(op, host, B)) is not None:
                 if r[0] == "host":
@@ -381,38 +417,38 @@ class Program:
         want = torch.int64 if k in ("window", "history") else torch.float32
         return t if t.dtype == want else t.to(want)
 
-    def _write(self, op, vals: torch.Tensor, cnt, envs: list[Env]) -> list[tuple]:
+    def _write(self, op, cnt, envs: list[Env], src: np.ndarray | None, vals: torch.Tensor | None) -> list[tuple]:
         """Write each env's channel in place; returns per env (length, overflow).
+        The cells are src, a numpy array in host memory, or else vals, a tensor.
 
         Where a cell goes depends only on the channel's length at the start of the round, a
         host int, so a write without a count, or with a count the host knows (a list), is one
         copy and its new length is a host int; with a device count the cells past it keep their
         old contents (a select) and the new length stays on the device until the batch's readback."""
-        M = vals.shape[1]
-        host_mem, src = host_readable(vals.device), None
+        M = (src if src is not None else vals).shape[1]
+        name = op.attrs["channel"]
+        C = self.checked.channels[name].capacity  # each env's buffer has it (_check_env)
         out = []
         for b, env in enumerate(envs):
-            ch = env.channels[op.attrs["channel"]]
-            C = ch.buf.shape[0]
+            ch = env.channels[name]
             start = host_length(ch) if op.name == "put" else 0
             m = max(min(M, C - start), 0)  # cells that fit
             if cnt is None or isinstance(cnt, list):
                 n = M if cnt is None else min(max(cnt[b], 0), M)
                 k = min(n, m)
-                if k and host_mem:  # host memory: numpy's assignment is ~2x cheaper than torch's copy
-                    src = vals.numpy() if src is None else src
+                if k and src is not None:  # host memory: numpy's assignment is ~2x cheaper than torch's copy
                     dst = ch.buf.numpy() if getattr(ch, "host", None) is None else ch.host
                     dst[start:start + k] = src[b, :k]  # converts dtype as copy_ does
                 elif k:  # narrow/select: a few us cheaper each than tensor indexing
                     ch.buf.narrow(0, start, k).copy_(vals.select(0, b).narrow(0, 0, k))  # converts dtype
                 out.append((start + k, n > m))
                 continue
+            vals = torch.from_numpy(src) if vals is None else vals
             dst = ch.buf[start:start + m]
-            src = vals[b, :m]
             n = cnt[b].clamp(0, M)
             if m:
                 keep = self._arange(m, ch.buf.device) < n
-                dst.copy_(torch.where(keep, src.to(dst.dtype), dst))
+                dst.copy_(torch.where(keep, vals[b, :m].to(dst.dtype), dst))
             out.append((start + torch.clamp(n, max=m), n > m))
         return out
 

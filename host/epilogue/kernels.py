@@ -98,8 +98,13 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     On the CPU, numpy's vectorised argmax gives the same index ~10x faster than torch's
     (5 us against 50 us for one row of a 49k vocabulary here): greedy decoding pays it every round."""
     if x.device.type == "cpu" and x.dtype in _NP_ARGMAX and x.numel() and not x.requires_grad:
-        return torch.from_numpy(np.asarray(np.argmax(x.numpy(), axis=dim)))
+        return torch.from_numpy(argmax_np(x.numpy(), dim))
     return x.argmax(dim)
+
+
+def argmax_np(x: np.ndarray, dim: int) -> np.ndarray:
+    """`argmax` of an array in host memory, as an array."""
+    return np.asarray(np.argmax(x, axis=dim))
 
 
 def _safe_int_div(a, b, mode):

@@ -64,6 +64,7 @@ class InstanceHost:
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self._detok = Detokenizer(engine.tokenizer)
+        self._held: list[int] = []  # ids not yet detokenised: with no on_text, nobody reads text mid-run
         self._out_lock = threading.Lock()
         # counters (the host's, not the guest's)
         self.guest_calls = 0
@@ -178,13 +179,28 @@ class InstanceHost:
 
     def send(self, text: str) -> None:
         with self._out_lock:
+            self._release_held()  # text keeps its place among the emitted tokens
             self._stream(text)
+
+    def _emit_ids(self, ids: list[int]) -> None:
+        """Record committed ids (call with _out_lock held). Their text is decoded at once for a
+        streaming client, else when it is next needed: one round of a device loop then costs a
+        list extend instead of a detokeniser step on the compute thread."""
+        self.token_ids.extend(ids)
+        if self.on_text is None:
+            self._held.extend(ids)
+        else:
+            self._stream(self._detok.push(ids))
+
+    def _release_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self._stream(self._detok.push(held))
 
     def emit(self, tokens: list[int]) -> None:
         self._check_ids(tokens)
         with self._out_lock:
-            self.token_ids.extend(tokens)
-            self._stream(self._detok.push(tokens))
+            self._emit_ids(tokens)
 
     def emit_channel(self, h: int) -> None:
         ch = self._ch(h)
@@ -193,17 +209,19 @@ class InstanceHost:
 
         def sink(cells: list[int]) -> None:  # called by the compute thread after each round
             with self._out_lock:
-                self.token_ids.extend(cells)
-                self._stream(self._detok.push(cells))
+                self._emit_ids(cells)
         ch.sink = sink
 
     def finish_output(self) -> None:
         with self._out_lock:
+            self._release_held()
             self._stream(self._detok.finish())
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        with self._out_lock:
+            self._release_held()
+            return "".join(self.text_parts)
 
     # ---- tokenizer ----------------------------------------------------------------------
     def _check_ids(self, tokens: list[int]) -> None:

@@ -47,6 +47,11 @@ class Channel:
         self._cv = threading.Condition()
 
     @property
+    def length(self) -> int:
+        """`count`, under the name the epilogue executor reads (a DeviceChannel)."""
+        return self.count
+
+    @property
     def lock(self) -> threading.Condition:
         """Held by the device loop while its epilogue writes the buffer and `count`."""
         return self._cv

@@ -40,9 +40,10 @@ def decode_program(args, eos_ids) -> str:
     p.put("out", tok)
     p.set("window", tok)
     p.fold(p.const(1))
-    done = p.round() + 1 >= args.max_tokens  # one token per round (the host drains "out" as it streams)
+    done = p.round() >= args.max_tokens - 1  # one token per round (the host drains "out" as it streams)
+    first = tok[0]
     for e in eos_ids:
-        done = done | (tok[0] == e)
+        done = done | (first == e)
     p.stop_if(done)
     return p.to_json()
 
