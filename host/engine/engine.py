@@ -293,7 +293,7 @@ class Engine:
     def _group(self, passes: list[Pass], idx: list[int], starts: list[int], whole: bool) -> attention.Group:
         ends = [passes[i].ws.frozen + passes[i].window for i in idx]  # each pass's context length
         used = passes[idx[0]].ws.pages[:-(-ends[0] // self.pool.page_size)]
-        if len(idx) == 1 and used[-1] - used[0] == len(used) - 1 and used == list(range(used[0], used[-1] + 1)):
+        if len(idx) == 1 and used == list(range(used[0], used[0] + len(used))):
             # one pass whose context is one run of pool slots: attention reads a view
             first = used[0] * self.pool.page_size
             ctx, ctx_range = None, (first, first + ends[0])

@@ -121,8 +121,10 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
             hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)  # host->device, no sync
         window, window_len = ps.tokens, None
         if isinstance(window, list):  # host tokens: a tensor only for a program that reads them
-            window, window_len = (torch.tensor(window, dtype=torch.int64, device=device), None) \
-                if loop.program is not None and "window" in loop.program.uses else (None, len(window))
+            if loop.program is not None and "window" in loop.program.uses:
+                window = torch.tensor(window, dtype=torch.int64, device=device)
+            else:
+                window, window_len = None, ps.window
         envs.append(Env(logits=out.logits, window=window, history=hist, hidden=out.hidden,
                         channels=loop.channels, seed=loop.seed, round=loop.round, window_len=window_len))
         progs.append(loop.program)

@@ -198,7 +198,7 @@ class InstanceHost:
             self._stream(self._detok.push(held))
 
     def emit(self, tokens: list[int]) -> None:
-        self._check_ids(tokens)
+        self.engine.check_ids(tokens)
         with self._out_lock:
             self._emit_ids(tokens)
 
@@ -224,17 +224,11 @@ class InstanceHost:
             return "".join(self.text_parts)
 
     # ---- tokenizer ----------------------------------------------------------------------
-    def _check_ids(self, tokens: list[int]) -> None:
-        v = self.engine.info.vocab_size
-        bad = [t for t in tokens if t >= v]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {v})")
-
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, tokens: list[int]) -> str:
-        self._check_ids(tokens)
+        self.engine.check_ids(tokens)
         return self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool) -> str:
@@ -297,7 +291,7 @@ class InstanceHost:
         if not from_channel:
             if window != len(embed):
                 raise InvalidArgument(f"geometry window {window} differs from the {len(embed)} embedded tokens")
-            self._check_ids(embed)
+            self.engine.check_ids(embed)
         if rounds is None and not from_channel and fold.tag != "from-channel" and call is None:
             n = None if fold.tag == "all" else fold.payload
             return Pass(ws, embed, rows, fold=n), kind
