@@ -115,6 +115,7 @@ class Engine:
         self.tokenizer = tokenizer
         cfg = model.config
         self.device = next(model.parameters()).device
+        self.device_type = self.device.type  # read per round: a torch.device's type is a torch call
         self.dtype = next(model.parameters()).dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.pool = PagePool(kv_pages, page_size)
@@ -137,6 +138,8 @@ class Engine:
         self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
         self.model_time_s = 0.0
         self.model_calls = 0
+        # host ids of a CPU batch go through one reused buffer (see _Staging)
+        self._staging = _Staging() if self.device_type == "cpu" else None
 
     # ---- working sets -------------------------------------------------------------
     def new_working_set(self) -> WorkingSet:
@@ -260,11 +263,9 @@ class Engine:
             splits.append(len(ps.readout))
             offset += w
         n, t = len(readout), len(pos)
-        if dev.type == "cpu" and all(isinstance(ps.tokens, list) for ps in passes):
-            # host ints all: one numpy array, whose slices torch shares (a third cheaper than torch's copy)
-            idx = np.array([x for ps in passes for x in ps.tokens] + pos + slots + readout, dtype=np.int64)
-            input_ids, positions, slot_map, rows = (torch.from_numpy(idx[a:b]) for a, b in
-                                                    ((0, t), (t, 2 * t), (2 * t, 3 * t), (3 * t, 3 * t + n)))
+        if self._staging is not None and all(isinstance(ps.tokens, list) for ps in passes):
+            input_ids, positions, slot_map, rows = self._staging.write(
+                [x for ps in passes for x in ps.tokens] + pos + slots + readout, t, n)
         else:
             tok = [torch.tensor(ps.tokens, dtype=torch.long, device=dev) if isinstance(ps.tokens, list)
                    else ps.tokens if ps.tokens.dtype == torch.long and ps.tokens.device == dev
@@ -331,3 +332,33 @@ class Engine:
         """Commit a pass whose fold was given up front (None: the whole window)."""
         fold = ps.window if ps.fold is None else ps.fold
         self.commit(ps, first_position, fold, self._host_tokens(ps.tokens))
+
+
+class _Staging:
+    """A CPU batch's ids, positions, slots and readout rows, written into one reused host buffer
+    that the batch's tensors view. Made fresh per batch, those tensors cost more than the rest
+    of the batch's build right after a model call (torch's tensor creation runs cold, its code
+    evicted by the model's weights), and a decode round makes the same shapes every time.
+    The views are valid until the next batch is built: the engine runs each batch before it
+    prepares the next (both under its lock, on the compute thread)."""
+
+    MAX_SHAPES = 64  # (rows, readout) shapes whose views are kept
+
+    def __init__(self):
+        self._buf = np.zeros(64, dtype=np.int64)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def write(self, values: list[int], t: int, n: int) -> tuple[torch.Tensor, ...]:
+        """values: t ids, t positions, t slots, n rows, in that order (len 3t + n)."""
+        views = self._views.get((t, n))
+        if views is None:
+            if len(values) > self._buf.shape[0]:  # views of the old buffer stay valid for their batch
+                self._buf = np.zeros(max(len(values), 2 * self._buf.shape[0]), dtype=np.int64)
+                self._views.clear()
+            if len(self._views) >= self.MAX_SHAPES:
+                self._views.clear()
+            b = self._buf
+            views = self._views[(t, n)] = tuple(torch.from_numpy(b[i:j]) for i, j in (
+                (0, t), (t, 2 * t), (2 * t, 3 * t), (3 * t, 3 * t + n)))
+        self._buf[:len(values)] = values
+        return views

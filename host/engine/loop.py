@@ -111,10 +111,12 @@ class DeviceLoop:
                 self.done.set_exception(error)
 
 
-def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device) -> list:
+def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device,
+                  device_type: str) -> list:
     """Run each loop's epilogue on its pass's outputs; channels are written in place on the device.
     Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device values)."""
     envs, progs = [], []
+    host = host_readable(device_type)  # logits in host memory reach the executor as numpy arrays
     for loop, ps, out in zip(loops, passes, outs):
         hist = None
         if loop.program is not None and "history" in loop.program.uses:
@@ -125,7 +127,7 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
                 window = torch.tensor(window, dtype=torch.int64, device=device)
             else:
                 window, window_len = None, ps.window
-        envs.append(Env(logits=out.logits, window=window, history=hist, hidden=out.hidden,
+        envs.append(Env(logits=out.logits.numpy() if host else out.logits, window=window, history=hist, hidden=out.hidden,
                         channels=loop.channels, seed=loop.seed, round=loop.round, window_len=window_len))
         progs.append(loop.program)
     results: list = [Result()] * len(loops)

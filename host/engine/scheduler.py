@@ -156,7 +156,7 @@ class Scheduler:
             # only a `take` on an empty channel waits: wake it when cells arrive, not every round
             empty = [{name for name, ch in lp.channels.items() if ch.count == 0} for lp in loops]
             try:
-                results = run_epilogues(loops, passes, [r[3] for r in ran], eng.device)
+                results = run_epilogues(loops, passes, [r[3] for r in ran], eng.device, eng.device_type)
                 backs = readback(loops, passes, results)
             except PieError as e:
                 for lp in loops:

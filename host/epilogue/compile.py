@@ -47,9 +47,13 @@ _HOST_OPS = {
 HOST_READABLE = ("cpu",)
 
 
-def host_readable(device: torch.device) -> bool:
-    """Whether the host reads `device`'s memory directly (looked up per call: tests switch it off)."""
-    return device.type in HOST_READABLE
+_CPU = torch.device("cpu")  # the device of an Env's numpy arrays
+
+
+def host_readable(device: torch.device | str) -> bool:
+    """Whether the host reads `device`'s memory directly (looked up per call: tests switch it off).
+    device: a torch.device or its type's name (reading a torch.device's type is a torch call)."""
+    return (device if isinstance(device, str) else "cpu" if device is _CPU else device.type) in HOST_READABLE
 
 
 class Program:
@@ -120,7 +124,9 @@ class Program:
             if ch is None:
                 raise ProgramError(f"epilogue uses channel {name!r} but it is not bound")
             cap = self.checked.channels[name].capacity
-            if ch.buf.shape != (cap,):
+            # a channel that states its capacity (a host int) is trusted to have that buffer
+            got = getattr(ch, "capacity", None)
+            if got != cap and ch.buf.shape != (cap,):
                 raise ProgramError(f"channel {name!r} has capacity {tuple(ch.buf.shape)}; the epilogue declares {cap}")
         # Resolve every static shape under this binding (host ints only), once per distinct value
         # of the symbols each op's shapes use: a history length that grows every round re-checks
@@ -196,7 +202,7 @@ class Program:
     def _device(self, env: Env) -> torch.device:
         for t in (env.logits, env.window, env.history, env.hidden, env.draft_logits):
             if t is not None:
-                return t.device
+                return _CPU if isinstance(t, np.ndarray) else t.device
         for ch in env.channels.values():
             return ch.buf.device
         return torch.device("cpu")
@@ -223,7 +229,10 @@ class Program:
                 host[i] = [host_length(e.channels[inp.channel]) for e in envs]
             elif hoist and B == 1 and inp.kind in _FLOAT_READOUTS:
                 t = getattr(envs[0], inp.kind)
-                if t.dtype == torch.float32 and not t.requires_grad:
+                if isinstance(t, np.ndarray):
+                    if t.dtype == np.float32:
+                        arrays[i] = t[None]
+                elif t.dtype == torch.float32 and not t.requires_grad:
                     arrays[i] = t.numpy()[None]
             vals.append(None if i in host or i in arrays else self._input(inp, envs, dev))
 
@@ -302,7 +311,7 @@ class Program:
             elif op.name == "index" and hoist and op.outs[0] in self._scalar_ints \
                     and (op.args[0] in arrays or vals[op.args[0]] is not None) and array(op.args[0]).ndim == 2:
                 x, i = array(op.args[0]), op.attrs["i"]  # a scalar read from host memory: no select, no tolist
-                host[len(vals)] = [x[b, i].item() for b in range(B)]
+                host[len(vals)] = [x.item(b, i) for b in range(B)]
                 vals.append(None)
             elif op.name == "argmax" and op.args[0] in arrays:  # numpy's, as kernels.argmax on the CPU
                 x = arrays[op.args[0]]
@@ -412,7 +421,7 @@ class Program:
             t = bufs[0].unsqueeze(0).to(dt)
             # the program writes this channel in place later on: read a copy of the old cells
             return t.clone() if inp.channel in self.writes and t.data_ptr() == bufs[0].data_ptr() else t
-        ts = [getattr(e, k) for e in envs]
+        ts = [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in (getattr(e, k) for e in envs)]
         t = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
         want = torch.int64 if k in ("window", "history") else torch.float32
         return t if t.dtype == want else t.to(want)

@@ -20,6 +20,7 @@ class DeviceChannel(Protocol):
     buf: torch.Tensor  # [capacity], any of int32/int64/float32/bool
     length: int | torch.Tensor  # a host int, or a 0-d int64 tensor
     host: np.ndarray | None  # optional: buf's memory as a numpy array, where it is host memory
+    capacity: int  # optional: len(buf), as a host int
 
 
 @dataclass
@@ -38,17 +39,18 @@ class SimpleChannel:
 @dataclass
 class Env:
     """One pass's inputs; tensors live on the model's device, seed and round are host ints.
+    In host memory, logits, hidden and draft_logits may be given as float32 numpy arrays.
 
     logits: [R, V] f32 for the readout rows; hidden: [R, H]; draft_logits: [R, K, V].
     window: [W] token ids of this round's window (or give window_len when the program
     does not read the window but must bound its fold). history: [N] committed tokens.
     """
 
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor | np.ndarray | None = None
     window: torch.Tensor | None = None
     history: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
-    draft_logits: torch.Tensor | None = None
+    hidden: torch.Tensor | np.ndarray | None = None
+    draft_logits: torch.Tensor | np.ndarray | None = None
     channels: Mapping[str, DeviceChannel] = field(default_factory=dict)
     seed: int = 0
     round: int = 0
