@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from host.epilogue import ir, kernels
-from host.epilogue.env import ChannelWrite, Env, Result
+from host.epilogue import hostplan
+from host.epilogue.env import ChannelWrite, Env, Result, host_length
 from host.epilogue.ir import ProgramError
 from host.epilogue.validate import Checked, _slice_len, check
 
 _CACHE_SIZE = 256
 _CONSTS_MAX = 512  # shape-only values kept per program (history lengths vary)
 _SHAPE_ONLY = ("const", "full", "arange")  # size is a host value (see _run_batch)
-_FLOAT_READOUTS = ("logits", "hidden", "draft_logits")  # f32 inputs a pass's readout provides
 
 
 def _wrap(x: int) -> int:  # i64 arithmetic wraps as it does on the device
@@ -88,6 +88,8 @@ class Program:
         # shape-only ops whose result does not depend on the binding
         self._fixed = {op.index for op in checked.ops if op.name in _SHAPE_ONLY and not self._op_syms(op)}
         self._scalar_ints = {i for i, v in enumerate(checked.values) if not v.shape and v.dtype in ("i64", "bool")}
+        # one pass in host memory: the whole program as one Python function, where every op allows
+        self._plan = hostplan.build(checked, self._host_fn, self._scalar_ints, self._measured)
 
     # --- binding -------------------------------------------------------------
     def _bind(self, env: Env) -> dict[str, int]:
@@ -183,6 +185,10 @@ class Program:
         if len(envs) == 1:  # the common case: nothing to group
             bind = self._bind(envs[0])
             self._check_env(envs[0], bind)
+            if self._plan is not None and not keep_values and host_readable(self._device(envs[0])):
+                res = self._plan(envs[0], bind)
+                if res is not None:
+                    return [res]
             return self._run_batch(list(envs), bind, keep_values)
         groups: dict[tuple, list[int]] = {}
         binds = []
@@ -227,13 +233,10 @@ class Program:
                 host[i] = [e.round for e in envs]
             elif inp.kind == "channel_len":
                 host[i] = [host_length(e.channels[inp.channel]) for e in envs]
-            elif hoist and B == 1 and inp.kind in _FLOAT_READOUTS:
-                t = getattr(envs[0], inp.kind)
-                if isinstance(t, np.ndarray):
-                    if t.dtype == np.float32:
-                        arrays[i] = t[None]
-                elif t.dtype == torch.float32 and not t.requires_grad:
-                    arrays[i] = t.numpy()[None]
+            elif hoist and B == 1 and inp.kind in hostplan.READOUTS:
+                a = hostplan.host_array(getattr(envs[0], inp.kind))
+                if a is not None:
+                    arrays[i] = a[None]
             vals.append(None if i in host or i in arrays else self._input(inp, envs, dev))
 
         def tensor(i: int) -> torch.Tensor:
@@ -440,15 +443,15 @@ class Program:
         out = []
         for b, env in enumerate(envs):
             ch = env.channels[name]
+            if src is not None and (cnt is None or isinstance(cnt, list)):  # host memory, host count
+                out.append(hostplan.write_host(ch, op.name == "put", src[b], None if cnt is None else cnt[b], C))
+                continue
             start = host_length(ch) if op.name == "put" else 0
             m = max(min(M, C - start), 0)  # cells that fit
             if cnt is None or isinstance(cnt, list):
                 n = M if cnt is None else min(max(cnt[b], 0), M)
                 k = min(n, m)
-                if k and src is not None:  # host memory: numpy's assignment is ~2x cheaper than torch's copy
-                    dst = ch.buf.numpy() if getattr(ch, "host", None) is None else ch.host
-                    dst[start:start + k] = src[b, :k]  # converts dtype as copy_ does
-                elif k:  # narrow/select: a few us cheaper each than tensor indexing
+                if k:  # narrow/select: a few us cheaper each than tensor indexing
                     ch.buf.narrow(0, start, k).copy_(vals.select(0, b).narrow(0, 0, k))  # converts dtype
                 out.append((start + k, n > m))
                 continue
@@ -467,13 +470,6 @@ class Program:
         if t is None:
             t = self._consts[key] = torch.arange(n, device=dev)
         return t
-
-
-def host_length(ch) -> int:
-    """A channel's length as a host int. The device loop always passes host counts; a 0-d
-    tensor length (stand-alone use of the executor) is read here, which syncs."""
-    n = ch.length
-    return n if isinstance(n, int) else int(n)
 
 
 _cache: "OrderedDict[str, Program]" = OrderedDict()

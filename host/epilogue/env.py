@@ -75,6 +75,13 @@ class Result:
     values: list[torch.Tensor] | None = None  # every SSA value, when run(keep_values=True)
 
 
+def host_length(ch: DeviceChannel) -> int:
+    """A channel's length as a host int. The device loop always passes host counts; a 0-d
+    tensor length (stand-alone use of the executor) is read here, which syncs."""
+    n = ch.length
+    return n if isinstance(n, int) else int(n)
+
+
 def apply_writes(result: Result, channels: Mapping[str, DeviceChannel]) -> None:
     """Give the channels their new lengths (the cells were written in place by the run)."""
     for name, w in result.channels.items():
