@@ -79,6 +79,7 @@ class DeviceLoop:
     round: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
     done: Future = field(default_factory=Future)
+    finished: bool = False  # done is resolved (a plain flag: the scheduler reads it twice a round)
     on_round: object | None = None  # callback(loop, window, fold) after each round's bookkeeping
     _locks: list | None = None
 
@@ -104,7 +105,8 @@ class DeviceLoop:
         return self._locks
 
     def finish(self, error: BaseException | None = None) -> None:
-        if not self.done.done():
+        if not self.finished:
+            self.finished = True
             if error is None:
                 self.done.set_result(self.stats)
             else:
@@ -188,16 +190,17 @@ def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list
     flat = _transfer(parts)
     out = []
     for loop, (fold, stop, lengths, tokens, streamed) in zip(loops, plans):
-        lengths = {k: _get(flat, v) for k, v in lengths.items()}
-        cells = {}
-        for name, slot in streamed.items():
+        if parts:  # else every value is known already
+            lengths = {k: _get(flat, v) for k, v in lengths.items()}
+            fold, stop, tokens = _get(flat, fold), _get(flat, stop), _get(flat, tokens)
+            streamed = {name: _get(flat, slot) for name, slot in streamed.items()}
+        for name, got in streamed.items():
             ch, n = loop.channels[name], lengths[name]
-            got = _get(flat, slot)[:max(n - ch.count, 0)]
+            got = got[:max(n - ch.count, 0)]
             if ch.count + len(got) < n:
                 got += ch.buf[ch.count + len(got):n].tolist()
-            cells[name] = got
-        out.append({"fold": _get(flat, fold), "stop": bool(_get(flat, stop)), "lengths": lengths,
-                    "tokens": _get(flat, tokens), "streamed": cells})
+            streamed[name] = got
+        out.append({"fold": fold, "stop": bool(stop), "lengths": lengths, "tokens": tokens, "streamed": streamed})
     return out
 
 

@@ -84,7 +84,7 @@ class Scheduler:
                     return
                 room = max(self.max_batch - len(self._loops), 1)
                 work, self._pending = self._pending[:room], self._pending[room:]
-                loops = [lp for lp in self._loops if not lp.done.done()]
+                loops = [lp for lp in self._loops if not lp.finished]
             try:
                 self._step(work, loops)
             except Exception as e:  # an engine bug must not hang every inferlet
@@ -94,7 +94,7 @@ class Scheduler:
                 for lp in loops:
                     lp.finish(e)
             with self._lock:
-                self._loops = [lp for lp in self._loops if not lp.done.done()]
+                self._loops = [lp for lp in self._loops if not lp.finished]
                 if not (self._pending or self._loops or self._closed):
                     return
                 if self._compute.busy():  # other compute tasks wait: queue the next step behind them
@@ -153,8 +153,6 @@ class Scheduler:
         for lk in locks:
             lk.acquire()
         try:
-            # only a `take` on an empty channel waits: wake it when cells arrive, not every round
-            empty = [{name for name, ch in lp.channels.items() if ch.count == 0} for lp in loops]
             try:
                 results = run_epilogues(loops, passes, [r[3] for r in ran], eng.device, eng.device_type)
                 backs = readback(loops, passes, results)
@@ -162,7 +160,7 @@ class Scheduler:
                 for lp in loops:
                     lp.finish(e)
                 return
-            for (lp, ps, first, _), back, was_empty in zip(ran, backs, empty):
+            for (lp, ps, first, _), back in zip(ran, backs):
                 fold = back["fold"]
                 if not 0 <= fold <= ps.window:
                     lp.finish(InvalidArgument(f"the epilogue set fold {fold}, outside 0..{ps.window} (the window)"))
@@ -174,15 +172,17 @@ class Scheduler:
                         lp.finish(e)
                         continue
                 eng.commit(ps, first, fold, back["tokens"])
-                for name, ch in lp.channels.items():
-                    ch.count = back["lengths"][name]
-                for name, cells in back["streamed"].items():
+                streamed = back["streamed"]
+                for name, n in back["lengths"].items():
                     ch = lp.channels[name]
-                    ch.count = 0  # the sink consumes the cells
-                    ch.sink(cells)
-                for name in was_empty:
-                    if lp.channels[name].count:
-                        lp.channels[name].lock.notify_all()
+                    if name in streamed:
+                        ch.count = 0  # the sink consumes the cells
+                        ch.sink(streamed[name])
+                    else:
+                        # only a `take` on an empty channel waits: wake it when cells arrive, not every round
+                        if n and not ch.count:
+                            ch.lock.notify_all()
+                        ch.count = n
                 lp.stats.record(ps.window, fold)
                 lp.round += 1
                 if lp.on_round is not None:

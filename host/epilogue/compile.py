@@ -136,7 +136,7 @@ class Program:
         if len(self._bind_ok) > _CONSTS_MAX:
             self._bind_ok.clear()
             self._binds_seen.clear()
-        whole = tuple(bind.get(x) for x in self._syms)  # a binding seen before: nothing to re-check
+        whole = tuple(map(bind.get, self._syms))  # a binding seen before: nothing to re-check
         if whole in self._binds_seen:
             return self._check_fold(bind)
         for syms, ops in self._by_syms.items():
