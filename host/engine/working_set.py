@@ -51,9 +51,11 @@ class WorkingSet:
 
         Returns (src_page, dst_page) copies. Nothing changes if the pool cannot supply the pages.
         """
-        start, end = self.frozen, self.frozen + window
-        first, need = start // self.pool.page_size, self._pages_for(end)
+        start = self.frozen
+        first, need = start // self.pool.page_size, self._pages_for(start + window)
         shared = [i for i in range(first, min(need, len(self.pages))) if self.pool.refcount(self.pages[i]) > 1]
+        if not shared and need <= len(self.pages):  # a decode step inside its last page: nothing to do
+            return []
         # Only a page holding frozen rows needs its contents copied; a shared page past the
         # frozen end can only come from a fork, which never shares scratch pages.
         new = self.pool.alloc(max(0, need - len(self.pages)) + len(shared))
