@@ -38,17 +38,21 @@ def host_array(t) -> np.ndarray | None:
     return None
 
 
-def write_host(ch, put: bool, src: np.ndarray, count: int | None, capacity: int) -> tuple[int, bool]:
-    """Write the cells of src (1-D, host memory) to a channel: appended (put) or from cell 0 (set),
-    the first `count` of them if given, as many as fit. Returns (new length, overflow)."""
+def write_host(ch, put: bool, src, count: int | None, capacity: int) -> tuple[int, bool]:
+    """Write the cells of src (a list, or a 1-D array in host memory) to a channel: appended (put)
+    or from cell 0 (set), the first `count` of them if given, as many as fit.
+    Returns (new length, overflow)."""
     start = host_length(ch) if put else 0
-    size = src.shape[0]
+    size = len(src)
     room = max(min(size, capacity - start), 0)
     n = size if count is None else min(max(count, 0), size)
     k = min(n, room)
     if k:  # numpy's assignment converts the dtype as torch's copy_ does, at about half its cost
         dst = ch.buf.numpy() if getattr(ch, "host", None) is None else ch.host
-        dst[start:start + k] = src[:k]
+        if k == 1:  # one cell (a decode step's token): no slices
+            dst[start] = src[0]
+        else:
+            dst[start:start + k] = src[:k]
     return start + k, n > room
 
 
@@ -57,7 +61,17 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
     """The plan of a checked program, or None if an op needs a tensor.
     host_ops: op index -> the interpreter's host function for scalar integer ops;
     scalar_ints: value indices of i64/bool scalars; measured(op, bind): a size op's value."""
-    kind: dict[int, str] = {}  # value index -> "s" (a Python scalar) or "a" (a [1, ...] numpy array)
+    # value index -> "s" (a Python scalar) or "a" (a numpy array: the pass's value, no batch dim;
+    # its cells as nested lists too, l<i>, once an op reads them)
+    kind: dict[int, str] = {}
+    listed: set[int] = set()
+
+    def cells(i: int) -> str:
+        if i not in listed:
+            listed.add(i)
+            body.append(f"l{i} = v{i}.tolist()")
+        return f"l{i}"
+
     env_consts: dict[str, object] = {"Result": Result, "ChannelWrite": ChannelWrite, "write_host": write_host,
                                      "host_array": host_array}
     head, body, tail = [], [], []
@@ -70,9 +84,8 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
             body.append(f"v{i} = host_length(chs[{inp.channel!r}])")
             kind[i] = "s"
         elif inp.kind in READOUTS:
-            head.append(f"a{i} = host_array(env.{inp.kind})")
-            head.append(f"if a{i} is None:\n        return None")
-            body.append(f"v{i} = a{i}[None]")
+            head.append(f"v{i} = host_array(env.{inp.kind})")
+            head.append(f"if v{i} is None:\n        return None")
             kind[i] = "a"
         else:
             return None  # windows, histories, channel cells: i64 tensors for torch kernels
@@ -96,18 +109,17 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
                 body.append(f"v{out} = f{op.index}({', '.join(f'v{a}' for a in args)})")
         elif op.name == "argmax" and ak == ["a"] and out not in scalar_ints:
             rank = len(checked.values[args[0]].shape)
-            axis = op.attrs.get("axis", -1) % rank + 1
-            body.append(f"v{out} = v{args[0]}.argmax(axis={axis})")
+            body.append(f"v{out} = v{args[0]}.argmax(axis={op.attrs.get('axis', -1) % rank})")
             kind[out] = "a"
             continue
         elif op.name == "index" and ak == ["a"] and out in scalar_ints and len(checked.values[args[0]].shape) == 1:
-            body.append(f"v{out} = v{args[0]}.item(0, {op.attrs['i']})")
+            body.append(f"v{out} = {cells(args[0])}[{op.attrs['i']}]")
         elif op.name in ("put", "set") and ak[0] == "a" and len(checked.values[args[0]].shape) == 1 \
                 and all(k == "s" for k in ak[1:]):
             name = op.attrs["channel"]
             cnt = f"v{args[1]}" if len(args) > 1 else "None"
             cap = checked.channels[name].capacity
-            body.append(f"w{op.index} = write_host(chs[{name!r}], {op.name == 'put'}, v{args[0]}[0], {cnt}, {cap})")
+            body.append(f"w{op.index} = write_host(chs[{name!r}], {op.name == 'put'}, {cells(args[0])}, {cnt}, {cap})")
             written[name] = f"w{op.index}"  # a later write to the channel is the one reported
             continue
         elif op.name == "fold" and ak == ["s"]:
