@@ -321,15 +321,15 @@ class InstanceHost:
             raise InvalidArgument(f"fold {fold.payload} is outside 0..{window} (the window length)")
         elif fold.tag == "from-epilogue" and not program.has_fold:
             raise InvalidArgument("fold from-epilogue, but the epilogue has no fold effect")
+        # the loop records its rounds straight into the inferlet's draft statistics
         loop = DeviceLoop(ws, program, channels, src, max_window=window, rounds=rounds or 1, readout=rows,
-                          fold_channel=fold_channel, seed=seed, on_round=self._count_round)
+                          fold_channel=fold_channel, seed=seed, stats=self.draft_stats, on_round=self._count_round)
         if fold.tag in ("all", "constant"):
             loop.fixed_fold = -1 if fold.tag == "all" else fold.payload
         return loop, kind
 
     def _count_round(self, loop: DeviceLoop, window: int, fold: int) -> None:
         self.passes += 1
-        self.draft_stats.record(window, fold)
 
     def execute(self, p: Record) -> Record:
         ps, kind = self._pass(p, None)
