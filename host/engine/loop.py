@@ -129,7 +129,8 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
                 window = torch.tensor(window, dtype=torch.int64, device=device)
             else:
                 window, window_len = None, ps.window
-        envs.append(Env(logits=out.logits.numpy() if host else out.logits, window=window, history=hist, hidden=out.hidden,
+        logits = out.logits.numpy() if host else out.logits
+        envs.append(Env(logits=logits, window=window, history=hist, hidden=out.hidden,
                         channels=loop.channels, seed=loop.seed, round=loop.round, window_len=window_len))
         progs.append(loop.program)
     results: list = [Result()] * len(loops)

@@ -5,6 +5,9 @@ round indices (host ints) are all the host needs; every data-dependent length
 stays a device tensor. The caller reads fold/stop/lengths back once per batch.
 On the CPU there is no device to wait for, so scalar results move to the host as
 they are made and the integer arithmetic after them runs in Python (HOST_READABLE).
+There a program whose every op works on host values also has a plan (hostplan.py): the
+same program as one generated Python function, which a single pass runs instead of the
+op-by-op interpreter below.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from host.epilogue import ir, kernels
-from host.epilogue import hostplan
+from host.epilogue import hostplan, ir, kernels
 from host.epilogue.env import ChannelWrite, Env, Result, host_length
 from host.epilogue.ir import ProgramError
 from host.epilogue.validate import Checked, _slice_len, check
@@ -424,7 +426,8 @@ class Program:
             t = bufs[0].unsqueeze(0).to(dt)
             # the program writes this channel in place later on: read a copy of the old cells
             return t.clone() if inp.channel in self.writes and t.data_ptr() == bufs[0].data_ptr() else t
-        ts = [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in (getattr(e, k) for e in envs)]
+        ts = [getattr(e, k) for e in envs]
+        ts = [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in ts]  # readouts may be arrays
         t = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
         want = torch.int64 if k in ("window", "history") else torch.float32
         return t if t.dtype == want else t.to(want)

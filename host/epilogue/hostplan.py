@@ -61,8 +61,11 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
     """The plan of a checked program, or None if an op needs a tensor.
     host_ops: op index -> the interpreter's host function for scalar integer ops;
     scalar_ints: value indices of i64/bool scalars; measured(op, bind): a size op's value."""
-    # value index -> "s" (a Python scalar) or "a" (a numpy array: the pass's value, no batch dim;
-    # its cells as nested lists too, l<i>, once an op reads them)
+    head, body, tail = [], [], []  # lines of the function: readout checks, ops, the Result
+    scope: dict[str, object] = {"Result": Result, "ChannelWrite": ChannelWrite, "write_host": write_host,
+                                "host_array": host_array}
+    # value index -> "s" (a Python scalar, v<i>) or "a" (a numpy array, v<i>: the pass's value,
+    # no batch dim; its cells as a list too, l<i>, once an op reads them)
     kind: dict[int, str] = {}
     listed: set[int] = set()
 
@@ -72,15 +75,12 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
             body.append(f"l{i} = v{i}.tolist()")
         return f"l{i}"
 
-    env_consts: dict[str, object] = {"Result": Result, "ChannelWrite": ChannelWrite, "write_host": write_host,
-                                     "host_array": host_array}
-    head, body, tail = [], [], []
     for i, inp in enumerate(checked.inputs):
         if inp.kind == "round":
             body.append(f"v{i} = env.round")
             kind[i] = "s"
         elif inp.kind == "channel_len":
-            env_consts["host_length"] = host_length
+            scope["host_length"] = host_length
             body.append(f"v{i} = host_length(chs[{inp.channel!r}])")
             kind[i] = "s"
         elif inp.kind in READOUTS:
@@ -98,14 +98,14 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
         if op.name == "const" and out in scalar_ints:
             body.append(f"v{out} = {op.attrs['value']!r}")
         elif op.name == "size":
-            env_consts[f"op{op.index}"] = op
-            env_consts["measured"] = measured
+            scope[f"op{op.index}"] = op
+            scope["measured"] = measured
             body.append(f"v{out} = measured(op{op.index}, bind)")
         elif op.index in host_ops and all(k == "s" for k in ak):
             if op.name in _INLINE:
                 body.append(f"v{out} = v{args[0]} {_INLINE[op.name]} v{args[1]}")
             else:
-                env_consts[f"f{op.index}"] = host_ops[op.index]
+                scope[f"f{op.index}"] = host_ops[op.index]
                 body.append(f"v{out} = f{op.index}({', '.join(f'v{a}' for a in args)})")
         elif op.name == "argmax" and ak == ["a"] and out not in scalar_ints:
             rank = len(checked.values[args[0]].shape)
@@ -130,13 +130,12 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
             continue
         else:
             return None
-        kind[out] = "s"
+        kind[out] = "s"  # the branches that do not `continue` make a scalar
     tail.append(f"res = Result(fold={fold}, stop={stop})")
     for name, w in written.items():
         tail.append(f"res.channels[{name!r}] = ChannelWrite(chs[{name!r}].buf, *{w})")
     tail.append("return res")
     src = "def plan(env, bind):\n    chs = env.channels\n" + "".join(f"    {line}\n" for line in head + body + tail)
-    scope = dict(env_consts)
     exec(compile(src, "<epilogue plan>", "exec"), scope)
     plan = scope["plan"]
     plan.source = src  # for debugging: the generated code
