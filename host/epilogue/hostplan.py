@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from host.epilogue.env import ChannelWrite, Env, Result, host_length
+from host.epilogue.kernels import argmax_np
 from host.epilogue.validate import Checked
 
 READOUTS = ("logits", "hidden", "draft_logits")  # float32 inputs a pass's readout provides
@@ -109,7 +110,8 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
                 body.append(f"v{out} = f{op.index}({', '.join(f'v{a}' for a in args)})")
         elif op.name == "argmax" and ak == ["a"] and out not in scalar_ints:
             rank = len(checked.values[args[0]].shape)
-            body.append(f"v{out} = v{args[0]}.argmax(axis={op.attrs.get('axis', -1) % rank})")
+            scope["argmax_np"] = argmax_np
+            body.append(f"v{out} = argmax_np(v{args[0]}, {op.attrs.get('axis', -1) % rank})")
             kind[out] = "a"
             continue
         elif op.name == "index" and ak == ["a"] and out in scalar_ints and len(checked.values[args[0]].shape) == 1:
