@@ -113,13 +113,14 @@ def test_host_stats_count_calls(runtime, text_completion_wasm, loop):
     r = runtime.run(text_completion_wasm, ["--prompt", "Count: one, two,", "--max-tokens", "8", "--loop", loop])
     assert r.ok, r.error
     s = r.stats
-    # the device loop prefills the prompt's head in a pass of its own
-    assert s["passes"] - (loop == "device") == len(r.token_ids) == s["generated_tokens"]
+    # one pass per token: the prompt's pass makes the first (the device loop's prompt pass folds
+    # its whole window, so its rows count as neither drafted nor accepted)
+    assert s["passes"] == len(r.token_ids) == s["generated_tokens"]
     assert s["drafted_tokens"] == 0 and s["accepted_tokens"] == 0
+    assert s["mean_accepted_per_pass"] == 1.0
     if loop == "guest":
-        assert s["mean_accepted_per_pass"] == 1.0
         # setup calls plus two crossings (execute, emit) per token
         assert s["guest_calls"] <= 2 * len(r.token_ids) + 10
     else:  # setup calls only: the host streams the output channel
-        assert s["guest_calls"] <= 20
+        assert s["guest_calls"] <= 12
     assert s["wall_s"] > 0 and s["tokens_per_s"] > 0

@@ -46,8 +46,26 @@ def test_greedy_equals_hf_generate_on_every_dev_prompt(runtime, engine, text_com
         assert r.ok, r.error
         assert r.token_ids == ref, f"dev prompt {i} (id {prompts[i]['id']}), --loop {loop}"
         assert r.text == engine.tokenizer.decode(ref, skip_special_tokens=True)
-        # the device loop prefills the prompt's head in a pass of its own, then one round per token
-        assert r.stats["passes"] == len(ref) + (loop == "device")
+        # one pass per token in both modes: the prompt's pass makes the first
+        assert r.stats["passes"] == len(ref)
+
+
+def test_device_loop_equals_guest_loop_in_bfloat16(text_completion_wasm):
+    # In reduced precision a matrix product's rounding depends on its row count, so the two loops
+    # agree only because both run the prompt as one pass and each later token as a one-row pass.
+    # On a bfloat16 CPU, prefilling the prompt's head apart from its last token changed these dev
+    # prompts' greedy tokens within their first eight.
+    from host import store
+    from host.runtime import Runtime
+    from wasm_fixtures import TEST_CACHE
+
+    prompts = {p["id"]: p["prompt"] for p in dev_prompts()}
+    engine = store.open_engine(dtype="bfloat16", device="cpu", kv_pages=256)
+    with Runtime(engine, cache_dir=TEST_CACHE) as rt:
+        for i in (81, 91, 326, 483):
+            got = {loop: rt.run(text_completion_wasm, _args(prompts[i], 12, "--loop", loop)) for loop in ("device", "guest")}
+            assert all(r.ok for r in got.values()), [r.error for r in got.values()]
+            assert got["device"].token_ids == got["guest"].token_ids, f"dev prompt {i}"
 
 
 def test_device_loop_takes_almost_no_guest_calls(runtime, text_completion_wasm):

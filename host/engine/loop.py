@@ -30,9 +30,10 @@ class LoopStats:
 
     _pending: int = 0  # drafts of a pass whose fold the guest will commit later
 
-    def record(self, window: int, fold: int) -> None:
+    def record(self, drafts: int, fold: int) -> None:
+        """A loop round that verified `drafts` window rows and froze `fold` rows."""
         self.rounds += 1
-        self._add(max(window - 1, 0), fold)
+        self._add(drafts, fold)
 
     def drafted_window(self, window: int) -> None:
         """A pass that leaves its window unfolded: the guest verifies and commits later."""
@@ -82,6 +83,11 @@ class DeviceLoop:
     finished: bool = False  # done is resolved (a plain flag: the scheduler reads it twice a round)
     on_round: object | None = None  # callback(loop, window, fold) after each round's bookkeeping
     _locks: list | None = None
+
+    def drafts(self, window: int) -> int:
+        """Rows a round of `window` rows verifies: those past the first (the last committed token)
+        when the epilogue or a channel decides the fold; a fixed fold verifies nothing."""
+        return max(window - 1, 0) if self.fixed_fold is None else 0
 
     def next_pass(self) -> Pass | None:
         n = self.embed.count

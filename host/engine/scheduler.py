@@ -183,7 +183,7 @@ class Scheduler:
                         if n and not ch.count:
                             ch.lock.notify_all()
                         ch.count = n
-                lp.stats.record(ps.window, fold)
+                lp.stats.record(lp.drafts(ps.window), fold)
                 lp.round += 1
                 if lp.on_round is not None:
                     lp.on_round(lp, ps.window, fold)

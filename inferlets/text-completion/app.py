@@ -1,8 +1,8 @@
 """text-completion: plain autoregressive decoding, streaming text as it goes.
 
---loop device (default): one prefill pass, then one looping pass whose epilogue samples the
-token, appends it to the output channel, writes it as the next window and stops at EOS or
-the limit; the guest only takes committed tokens from the output channel.
+--loop device (default): the prompt's pass, then one looping pass, both with an epilogue that
+samples the token, appends it to the output channel and writes it as the next window (none
+after EOS, which ends the loop); the guest only takes committed tokens from the output channel.
 --loop guest: one pass per token driven by the guest (execute with a host-side
 argmax/sample readout, then emit: two crossings per token).
 """
@@ -24,12 +24,12 @@ def guest_loop(model, ws, prompt, args) -> None:
         if token in eos:
             break
         window = [token]
-    sampler.release()
 
 
 def decode_program(args, eos_ids) -> str:
-    """The device loop's epilogue: one token per round."""
-    p = Program(window=1, readout=1)
+    """The device loop's epilogue: one token per round, from the window's last row. The window
+    is free (the whole prompt in the first round, one token after) and the pass folds all of it."""
+    p = Program(readout=1)
     p.channel("out", "i64", args.max_tokens)
     p.channel("window", "i64", 1)
     logits = p.logits()
@@ -38,30 +38,29 @@ def decode_program(args, eos_ids) -> str:
     else:
         tok = logits.argmax()
     p.put("out", tok)
-    p.set("window", tok)
-    p.fold(p.const(1))
-    done = p.round() >= args.max_tokens - 1  # one token per round (the host drains "out" as it streams)
     first = tok[0]
+    eos = p.const(False)
     for e in eos_ids:
-        done = done | (first == e)
-    p.stop_if(done)
+        eos = eos | (first == e)
+    # the next window, none after EOS: a loop whose window is empty ends (run_loop's round
+    # count ends it at the token limit)
+    p.set("window", tok, count=p.where(eos, 0, 1))
     return p.to_json()
 
 
 def device_loop(model, ws, prompt, args) -> None:
-    if len(prompt) > 1:
-        ForwardPass(ws, prompt[:-1]).execute()
     out, window = Channel("u32", args.max_tokens), Channel("u32", 1)
-    window.put(prompt[-1:])
     emit_channel(out)  # the host streams what the loop commits: no guest call per token
     ep = model.register_epilogue(decode_program(args, model.eos_ids), {"out": out, "window": window})
-    ForwardPass(ws, window, StateGeometry(1, fold="epilogue"), readout=[0], epilogue=ep,
-                seed=args.seed).run_loop(args.max_tokens)
+    # The prompt is one pass, as in the guest loop and in HF generate: prefilling its head apart
+    # from its last token gives other rounding in reduced precision, and other tokens.
+    ForwardPass(ws, prompt, StateGeometry(len(prompt)), readout=[len(prompt) - 1], epilogue=ep,
+                seed=args.seed).execute()
+    if args.max_tokens > 1:  # distinct seeds: the loop's rounds count from 0 again
+        ForwardPass(ws, window, StateGeometry(1), readout=[0], epilogue=ep,
+                    seed=(args.seed + 1) % 2**64).run_loop(args.max_tokens - 1)
     while out.take():  # waits for the loop; [] once it has ended
         pass
-    ep.release()
-    out.release()
-    window.release()
 
 
 def generate(args) -> None:
@@ -73,8 +72,8 @@ def generate(args) -> None:
     if args.max_tokens == 0:
         return
     ws = model.working_set()
+    # the host releases every handle when the inferlet ends: no crossings to release them here
     (device_loop if mode == "device" else guest_loop)(model, ws, prompt, args)
-    ws.release()
 
 
 class WitWorld(wit_world.WitWorld):
