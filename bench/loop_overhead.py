@@ -52,16 +52,16 @@ def _us(x) -> str:
 
 
 def overhead(rt, wasm, engine, prompt: str, mode: str, n: int, on_text=None):
-    """(result of the n-token run, host overhead per round in us): two runs, 1 and n tokens, so
-    the prompt's prefill and the guest's start and end cancel out."""
+    """(result of the n-token run, host overhead per round in us): two runs, 2 and n tokens, so
+    the prompt's pass, the loop's start and the guest's start and end cancel out."""
     runs = []
-    for max_tokens in (1, n):
+    for max_tokens in (2, n):
         m0 = engine.model_time_s
         res = rt.run(wasm, ["--prompt", prompt, "--chat", "--max-tokens", str(max_tokens), "--loop", mode],
                      name="text-completion", on_text=on_text)
         runs.append((res, res.stats["wall_s"] - (engine.model_time_s - m0)))
     (one, host1), (res, host_n) = runs
-    extra = res.stats["passes"] - one.stats["passes"]  # none if the answer is one token long
+    extra = res.stats["passes"] - one.stats["passes"]  # none if the answer is at most two tokens long
     return res, (host_n - host1) / extra * 1e6 if extra > 0 else None
 
 
