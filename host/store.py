@@ -87,7 +87,8 @@ def _validate_name(name: str) -> str:
 
 def import_model(source: str, name: str | None = None, dtype: str = "auto", drafter: str | None = None,
                  progress: bool = True) -> tuple[ModelRecord, bool]:
-    """Convert SOURCE into the store. Returns (record, created); idempotent for the same source and dtype.
+    """Convert SOURCE into the store. Returns (record, created); idempotent for the same source and
+    dtype, and for `auto` whatever dtype the source was imported in.
     Runs on the compute thread, like all model work (host/engine/compute.py)."""
     from .engine.compute import compute  # here, not at the top: `pie model list` must not load torch
 
@@ -109,7 +110,10 @@ def _import_model(source, name, dtype, drafter, progress):
     dest = models_dir() / name
     if (dest / "pie.json").is_file():
         rec = read_record(name)
-        if rec.source == source_id and rec.dtype == dtype_name and rec.drafters == ([drafter] if drafter else []):
+        # `auto` takes the source's import in any dtype (one made under an older default, say):
+        # the engine converts the weights to its dtype when it opens them
+        if rec.source == source_id and rec.drafters == ([drafter] if drafter else []) \
+                and (dtype == "auto" or rec.dtype == dtype_name):
             return rec, False
         raise ImportFailed(f"a different model is already imported as {name!r}; "
                            f"run `pie model remove {name}` or choose --name")

@@ -183,3 +183,12 @@ def test_long_prefill_beside_decodes_uses_separate_attention_groups(tiny):
     assert torch.allclose(oa.logits, ref_logits(ref, long)[[0, 19]], atol=TOL)
     assert torch.allclose(ob.logits[0], ref_logits(ref, sb + [9])[-1], atol=TOL)
     assert torch.allclose(oc.logits, ref_logits(ref, sc + [8, 7, 6])[-3:], atol=TOL)
+
+
+def test_auto_dtype_is_float32_on_the_cpu():
+    # bf16 verification rounds differently from one-row decoding (engine.default_dtype)
+    from host.engine.engine import resolve_dtype
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(InvalidArgument, match="unknown dtype"):
+        resolve_dtype("int8", torch.device("cpu"))

@@ -70,6 +70,11 @@ def test_import_folder_list_remove(home, tmp_path, capsys):
     assert created and rec.name == "tiny-llama" and rec.architecture == "LlamaForCausalLM"
     rec2, created2 = store.import_model(str(src), dtype="float32", progress=False)
     assert not created2 and rec2.path == rec.path
+    # auto takes the import whatever its dtype; another explicit dtype is a different model
+    rec3, created3 = store.import_model(str(src), dtype="auto", progress=False)
+    assert not created3 and rec3.dtype == "float32"
+    with pytest.raises(ImportFailed, match="different model"):
+        store.import_model(str(src), dtype="bfloat16", progress=False)
     assert cli.main(["model", "list", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in listed] == ["tiny-llama"] and listed[0]["parameters"] == rec.parameters
