@@ -60,9 +60,9 @@ def overhead(rt, wasm, engine, prompt: str, mode: str, n: int, on_text=None):
         res = rt.run(wasm, ["--prompt", prompt, "--chat", "--max-tokens", str(max_tokens), "--loop", mode],
                      name="text-completion", on_text=on_text)
         runs.append((res, res.stats["wall_s"] - (engine.model_time_s - m0)))
-    (one, host1), (res, host_n) = runs
-    extra = res.stats["passes"] - one.stats["passes"]  # none if the answer is at most two tokens long
-    return res, (host_n - host1) / extra * 1e6 if extra > 0 else None
+    (short, host_short), (res, host_n) = runs
+    extra = res.stats["passes"] - short.stats["passes"]  # none if the answer is at most two tokens long
+    return res, (host_n - host_short) / extra * 1e6 if extra > 0 else None
 
 
 def main(argv=None) -> dict:

@@ -82,7 +82,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
     k drafted rows at once can flip a near-tie that one-row decoding resolves the other way: on
     a bf16-native CPU, greedy cacheback, ngram-drafter and HF's own prompt lookup each differed
     from greedy decoding, and the same runs in float32 were identical and faster for the default
-    model (text-completion 25.2 against 21.8 tok/s; `python -m bench.spec --dtype ...`)."""
+    model (text-completion 25.2 against 21.8 tok/s, `python -m bench.spec --ids 81,111,242
+    --dtype float32` against `--dtype bfloat16`)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
