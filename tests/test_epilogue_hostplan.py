@@ -15,7 +15,8 @@ CHANNELS = {"out": 5, "win": 2, "more": 3}  # name -> capacity, all i64 (argmax'
 
 
 def greedy(max_tokens=6, eos=(2, 5)):
-    """text-completion's device program."""
+    """A greedy decode program: argmax, put, set, a constant fold, stop at EOS or a round limit
+    (text-completion's before its loop ended on an empty window instead)."""
     p = Program()
     p.channel("out", "i64", 5)
     p.channel("win", "i64", 2)
@@ -28,6 +29,21 @@ def greedy(max_tokens=6, eos=(2, 5)):
     for e in eos:
         done = done | (first == e)
     p.stop_if(done)
+    return p
+
+
+def no_effects(eos=(2, 5)):
+    """No fold and no stop (the pass's fold and an empty window end it): the next window is set
+    with a count, none after EOS."""
+    p = Program()
+    p.channel("out", "i64", 5)
+    p.channel("win", "i64", 2)
+    tok = p.logits().argmax()
+    p.put("out", tok)
+    eos_seen = p.const(False)
+    for e in eos:
+        eos_seen = eos_seen | (tok[0] == e)
+    p.set("win", tok, count=p.where(eos_seen, 0, 1))
     return p
 
 
@@ -69,7 +85,7 @@ def results_equal(a, b) -> bool:
                and torch.equal(a.channels[k].buf, b.channels[k].buf) for k in a.channels)
 
 
-@pytest.mark.parametrize("make", [greedy, scalars])
+@pytest.mark.parametrize("make", [greedy, no_effects, scalars])
 def test_plan_matches_the_interpreter(make):
     prog = compile_program(make().to_json())
     assert prog._plan is not None
@@ -87,6 +103,9 @@ def test_plan_matches_the_interpreter(make):
                 assert results_equal(planned, interpreted), (rnd, out_len, seed, prog._plan.source)
                 checked += 1
     assert checked == 60
+    if make is no_effects:  # the plan reports no fold and no stop, as the interpreter does
+        res = prog._plan(env(0, {}), prog._bind(env(0, {})))
+        assert res.fold is None and res.stop is None
 
 
 def test_run_takes_the_plan_and_falls_back_where_it_cannot():
