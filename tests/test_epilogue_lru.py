@@ -9,6 +9,7 @@ import torch
 from host.epilogue import Env, ProgramError, SimpleChannel, compile_program
 
 from guest import trace
+from op_reference import covers
 from guest import speculative as ref  # its plain-Python lru_lookup / lru_update are the references
 
 # every test here runs with both scalar paths of the executor (see conftest.scalar_path)
@@ -44,6 +45,7 @@ def random_case(rng, S, g, k, n, vocab):
     return table, stamps, seq, key, rng.randrange(n + 2), rng.randrange(-1, n + 2)
 
 
+@covers('lru_lookup', 'lru_update')
 @pytest.mark.parametrize("S,g,k,n,vocab", [(4, 2, 3, 12, 4), (8, 1, 2, 9, 3), (3, 3, 4, 16, 2), (16, 2, 5, 20, 6)])
 def test_lru_ops_match_python_reference_batched(S, g, k, n, vocab):
     rng = random.Random(S * 100 + n)

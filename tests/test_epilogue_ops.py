@@ -8,6 +8,7 @@ from host.epilogue import Env, SimpleChannel, apply_writes, compile_program
 
 
 from guest import trace
+from op_reference import covers
 
 # every test here runs with both scalar paths of the executor (see conftest.scalar_path)
 pytestmark = pytest.mark.usefixtures("scalar_path")
@@ -30,6 +31,7 @@ Y = torch.randn(4, 6)
 I = torch.tensor([[3, -1, 0, 7, 2, 2], [1, 1, 1, 0, -5, 9], [0, 0, 0, 0, 0, 0], [5, 4, 3, 2, 1, 0]])
 
 
+@covers('add', 'sub', 'mul', 'div', 'minimum', 'maximum', 'eq', 'ne', 'lt', 'le', 'gt', 'ge')
 @pytest.mark.parametrize("name,ref", [
     ("add", torch.add), ("sub", torch.sub), ("mul", torch.mul), ("div", torch.div),
     ("minimum", torch.minimum), ("maximum", torch.maximum),
@@ -43,6 +45,7 @@ def test_binary_f32(name, ref):
     assert torch.equal(got, ref(X, Y))
 
 
+@covers('floordiv', 'mod', 'add', 'neg', 'abs', 'mul', 'minimum')
 def test_int_ops_and_broadcast():
     p = Program()
     h = p.history()
@@ -53,6 +56,7 @@ def test_int_ops_and_broadcast():
         assert torch.equal(g, e)
 
 
+@covers('and', 'or', 'xor', 'not', 'where')
 def test_logic_and_where():
     p = Program(vocab=6, hidden=6)
     a, b = p.logits(), p.hidden()
@@ -63,6 +67,7 @@ def test_logic_and_where():
     assert torch.equal(g[0], ce) and torch.equal(g[1], torch.where(ce, X, Y))
 
 
+@covers('sum', 'prod', 'min', 'max', 'argmax', 'argmin', 'any', 'all', 'cumsum', 'cumprod')
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_reductions_and_scans(axis):
     p = Program()
@@ -78,6 +83,7 @@ def test_reductions_and_scans(axis):
         assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), atol=1e-5)
 
 
+@covers('softmax', 'top_k', 'top_p', 'exp', 'log', 'cast')
 def test_softmax_topk_topp_exp_log_cast():
     p = Program()
     x = p.logits()
@@ -97,6 +103,7 @@ def test_softmax_topk_topp_exp_log_cast():
     assert torch.equal(got[5], X.to(torch.int64)) and torch.equal(got[6], (X > 0).float())
 
 
+@covers('index', 'slice', 'take', 'gather', 'concat', 'const', 'arange', 'full', 'size')
 def test_index_slice_take_gather_concat_const_arange_full_size():
     p = Program(readout=4, vocab=6)
     x, h = p.logits(), p.history()
@@ -113,6 +120,7 @@ def test_index_slice_take_gather_concat_const_arange_full_size():
         assert torch.equal(g, e.to(g.dtype)), (g, e)
 
 
+@covers('pack', 'dyn_slice')
 def test_pack_and_dyn_slice_with_device_lengths():
     p = Program()
     h = p.history()
@@ -163,6 +171,7 @@ def ngram_ref(h, k, lo, hi):
     return [-1] * k, 0
 
 
+@covers('ngram_lookup')
 @pytest.mark.parametrize("hist,k,lo,hi", [
     ([1, 2, 3, 4, 1, 2, 3], 3, 1, 3),  # suffix 1 2 3 occurs at 0 -> 4 1 2
     ([1, 2, 3, 4, 1, 2, 3], 5, 1, 3),  # continuation runs into the suffix -> 4 1 2 3, count 4
@@ -202,7 +211,7 @@ def test_ngram_lookup_host_equals_the_tensor_kernel():
     # match may start mid-cell and must be skipped), padding inside the length, batches
     import random
 
-    from host.epilogue import kernels
+    from host.epilogue.ops import speculative
     rng = random.Random(11)
     for _ in range(500):
         B, n = rng.randint(1, 3), rng.randint(1, 50)
@@ -211,12 +220,12 @@ def test_ngram_lookup_host_equals_the_tensor_kernel():
         L = [rng.randint(0, n) for _ in range(B)]
         k, lo = rng.randint(1, 6), rng.randint(1, 3)
         hi = rng.randint(lo, 4)
-        toks, cnt = kernels.ngram_lookup(h, torch.tensor(L), lo, hi, k)
-        htoks, hcnt = kernels.ngram_lookup_host(h, L, lo, hi, k)
+        toks, cnt = speculative.ngram_lookup(h, torch.tensor(L), lo, hi, k)
+        htoks, hcnt = speculative.ngram_lookup_host(h, L, lo, hi, k)
         assert (htoks.tolist(), hcnt) == (toks.tolist(), cnt.tolist()), (h.tolist(), L, k, lo, hi)
     # 256 then 0 holds the bytes of "1, 0" one byte in: that is no occurrence of the suffix 1, 0
     h = torch.tensor([[256, 0, 0, 5, 1, 0]])
-    assert kernels.ngram_lookup_host(h, None, 2, 2, 2)[1] == [0]
+    assert speculative.ngram_lookup_host(h, None, 2, 2, 2)[1] == [0]
 
 
 def test_argmax_helper_equals_torch_argmax():
@@ -246,6 +255,7 @@ def test_ngram_lookup_with_device_length():
     assert got[0].tolist() == [3, 1] and int(got[1]) == 2
 
 
+@covers('verify_greedy')
 @pytest.mark.parametrize("drafts,target,n", [
     ([4, 5, 6], [1, 5, 6, 7], 0),
     ([4, 5, 6], [4, 5, 0, 7], 2),
@@ -265,6 +275,7 @@ def test_verify_greedy(drafts, target, n):
     assert got[1].tolist() == target[:n + 1] + [-1] * (3 - n)
 
 
+@covers('put', 'set', 'fold', 'stop')
 def test_channels_put_set_fold_stop_and_overflow():
     p = Program(window=3)
     p.channel("out", "i64", 5)
@@ -311,6 +322,7 @@ def test_batched_equals_unbatched_and_groups_by_shape():
         assert int(a.channels["o"].length) == int(b.channels["o"].length) == lg.shape[0]
 
 
+@covers('rand')
 def test_sampling_deterministic_per_seed_and_round():
     p = Program()
     t = p.sample(p.logits(), seed=1)
@@ -324,6 +336,7 @@ def test_sampling_deterministic_per_seed_and_round():
     assert not torch.equal(a[0], c[0]) and not torch.equal(a[0], d[0])
 
 
+@covers('sample')
 def test_sample_matches_distribution_roughly():
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     p = Program()

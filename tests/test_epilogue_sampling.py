@@ -2,9 +2,11 @@
 test catches a broken rule (a verifier that always accepts the draft)."""
 
 import torch
+from op_reference import covers
 from scipy.stats import chisquare
 
-from host.epilogue import Env, compile_program, kernels
+from host.epilogue import Env, compile_program
+from host.epilogue.ops import speculative
 from host.epilogue.ir import VERSION
 
 V, K, TRIALS, ALPHA = 5, 2, 6000, 1e-3
@@ -41,6 +43,7 @@ def chi_p(samples, probs):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
+@covers("verify_sample")
 def test_rejection_sampling_keeps_target_distribution():
     toks, n, _ = first_tokens()
     assert chi_p(toks[:, 0], P[0]) > ALPHA
@@ -57,12 +60,12 @@ def test_deterministic_drafts_one_hot_q():
 
 
 def test_broken_rule_is_detected(monkeypatch):
-    real = kernels.verify_sample
+    real = speculative.verify_sample
 
     def always_accept(drafts, p, q, u_accept, u_race):
         return real(drafts, p, q, torch.zeros_like(u_accept), u_race)
 
-    monkeypatch.setattr(kernels, "verify_sample", always_accept)
+    monkeypatch.setattr(speculative, "verify_sample", always_accept)
     toks, _, drafts = first_tokens()
     assert torch.equal(toks[:, 0], drafts[:, 0])
     assert chi_p(toks[:, 0], P[0]) < ALPHA

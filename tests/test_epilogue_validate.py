@@ -90,3 +90,56 @@ def test_bad_args_attrs_and_structure():
     rejects(json.dumps({"version": 2, "ops": []}), "version")
     rejects(json.dumps({"version": 1, "ops": [], "extra": 1}), "unknown keys")
     rejects(json.dumps([1, 2]), "JSON object")
+
+
+def test_strict_json_types_and_bounds():
+    """Malformed numbers, shapes and fields are invalid-argument, never another exception."""
+    rejects('{"version": 1, "ops": [{"op": "const", "attrs": {"value": ' + "9" * 5000 + ', "dtype": "i64"}}]}',
+            "not valid JSON")
+    rejects('{"version": 1, "ops": [{"op": "const", "attrs": {"value": ' + "[" * 50000 + "]" * 50000 + "}}]}",
+            "not valid JSON")
+    rejects(json.dumps({"version": True, "ops": []}), "version")
+    rejects(json.dumps({"version": 1.0, "ops": []}), "version")
+    ch = [{"name": "out", "dtype": "i64", "capacity": 4}]
+    rejects(prog([{"op": "put", "args": [1], "attrs": {"channel": ["out"]}}], channels=ch), "op 0 (put)", "channel")
+    rejects(prog([], channels=[{"name": ["out"], "dtype": "i64", "capacity": 4}]), "channel 0", "'name'")
+    rejects(prog([], channels=[{"name": "o", "dtype": "i64", "capacity": True}]), "channel 0", "'capacity'")
+    rejects(prog([{"op": "const", "attrs": {"value": 1e39, "dtype": "f32"}}]), "op 0 (const)", "float32")
+    rejects(prog([{"op": "full", "attrs": {"shape": [2**40], "value": 0, "dtype": "i64"}}]), "op 0 (full)", "out of range")
+    rejects(prog([{"op": "full", "attrs": {"shape": [2**12, 2**12, 2**4], "value": 0, "dtype": "i64"}}]), "MiB")
+    rejects(prog([{"op": "full", "attrs": {"shape": ["W+99999999999999999999"], "value": 0, "dtype": "i64"}}]),
+            "op 0 (full)", "dim")
+    rejects(prog([{"op": "argmax", "args": [0], "attrs": {"axis": True}}]), "op 0 (argmax)", "'axis' must be an int")
+    rejects(prog([{"op": "argmax", "args": [0], "attrs": {"axis": -1.0}}]), "op 0 (argmax)", "'axis' must be an int")
+    rejects(prog([{"op": "argmax", "args": [0], "attrs": {"axsi": -1}}]), "op 0 (argmax)", "unknown attr 'axsi'")
+    rejects(prog([{"op": "argmax", "args": [True]}]), "op 0 (argmax)", "value indices")
+    rejects(prog([{"op": "argmax", "args": [0], "extra": 1}]), "op 0", "unknown key")
+    rejects(prog([{"op": ["argmax"], "args": [0]}]), "op 0", "'op' must be a JSON string")
+    rejects(prog([], inputs=[{"kind": "logits", "name": "x"}]), "input 0", "takes no 'name'")
+    rejects(prog([], inputs=[{"kind": "channel", "name": ["x"]}]), "input 0", "'name'")
+    rejects(prog([], dims={"W": True}), "dims")
+
+
+def test_integer_ops_wrap_on_the_host_as_on_the_device():
+    """INT64_MIN // -1 and friends: the host's Python ints wrap as torch's int64 does."""
+    import torch
+
+    from host.epilogue import Env
+    lo = -(2**63)
+    p = compile_program(json.dumps({"version": 1, "ops": [
+        {"op": "const", "attrs": {"value": lo, "dtype": "i64"}}, {"op": "const", "attrs": {"value": -1, "dtype": "i64"}},
+        {"op": "floordiv", "args": [0, 1]}, {"op": "mul", "args": [0, 1]}, {"op": "abs", "args": [0]}]}))
+    r = p.run([Env()], keep_values=True)[0]
+    assert [int(v) for v in r.values[2:5]] == [lo, lo, lo] and r.values[2].dtype == torch.int64
+
+
+def test_budget_checked_when_the_pass_binds_its_dims():
+    import torch
+
+    from host.epilogue import Env
+    p = compile_program(prog([{"op": "full", "attrs": {"shape": ["V", "V"], "value": 0, "dtype": "i64"}}],
+                             inputs=[{"kind": "logits"}]))
+    p.run([Env(logits=torch.zeros(1, 16))])  # 2 KiB
+    rejects_run = pytest.raises(ProgramError, match="MiB")
+    with rejects_run:
+        p.run([Env(logits=torch.zeros(1, 49152))])  # 18 GiB

@@ -22,26 +22,18 @@ import torch
 from host.epilogue import hostplan, ir, kernels
 from host.epilogue.env import ChannelWrite, Env, Result, host_length
 from host.epilogue.ir import ProgramError
-from host.epilogue.validate import Checked, _slice_len, check
+from host.epilogue.ops import OPS
+from host.epilogue.ops.construct import measured
+from host.epilogue.ops.layout import slice_len
+from host.epilogue.ops.speculative import ngram_lookup_host
+from host.epilogue.validate import Budget, Checked, check
 
 _CACHE_SIZE = 256
 _CONSTS_MAX = 512  # shape-only values kept per program (history lengths vary)
+_CONST_CACHE_BYTES = 64 << 10  # larger shape-only values are made each round, not kept
 _SHAPE_ONLY = ("const", "full", "arange")  # size is a host value (see _run_batch)
 
 
-def _wrap(x: int) -> int:  # i64 arithmetic wraps as it does on the device
-    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
-_HOST_OPS = {
-    "add": lambda a, b: _wrap(a + b), "sub": lambda a, b: _wrap(a - b), "mul": lambda a, b: _wrap(a * b),
-    "minimum": min, "maximum": max, "neg": lambda a: _wrap(-a), "abs": lambda a: _wrap(abs(a)),
-    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
-    "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "and": lambda a, b: bool(a and b),
-    "or": lambda a, b: bool(a or b), "xor": lambda a, b: bool(a) != bool(b), "not": lambda a: not a,
-    "where": lambda c, a, b: a if c else b,
-    "floordiv": lambda a, b: a // b if b else 0, "mod": lambda a, b: a % b if b else 0,  # as kernels._safe_int_div
-}
 # Devices whose memory the host reads directly: reading a value there is a copy of a few bytes,
 # not a wait for queued work, so scalar results of device ops move to the host at once and the
 # integer arithmetic after them runs in Python (~0.2 us an op, against ~5 us for a torch op on
@@ -67,6 +59,7 @@ class Program:
         self.text = text
         self._bind_ok: set = set()  # (symbols, their values) whose ops' shapes were checked
         self._binds_seen: set = set()  # values of every symbol, for bindings checked whole
+        self._budget = Budget(checked)
         # (op index, device, batch, resolved shape) -> (values, host scalar or None), and cached
         # aranges: shape-only values are made once, not per round
         self._consts: dict = {}
@@ -83,8 +76,9 @@ class Program:
             self._by_syms.setdefault(self._op_syms(op), []).append(op)
         self._syms = tuple(sorted({x for syms in self._by_syms for x in syms}))
         # ops that may run on the host: scalar i64/bool results of simple integer ops
-        self._host_fn = {op.index: _HOST_OPS[op.name] for op in checked.ops
-                         if op.name in _HOST_OPS and len(op.outs) == 1
+        self._kernel = [OPS[op.name].kernel for op in checked.ops]  # by op index
+        self._host_fn = {op.index: OPS[op.name].host for op in checked.ops
+                         if OPS[op.name].host is not None and len(op.outs) == 1
                          and not checked.values[op.outs[0]].shape
                          and checked.values[op.outs[0]].dtype in ("i64", "bool")}
         # shape-only ops whose result does not depend on the binding
@@ -147,6 +141,7 @@ class Program:
                 for op in ops:
                     self._check_op(op, bind)
                 self._bind_ok.add(key)
+        self._budget.check(bind)
         self._binds_seen.add(whole)
         self._check_fold(bind)
 
@@ -158,7 +153,7 @@ class Program:
         dims = [d for o in op.outs for d in self.checked.values[o].shape]
         if op.name in ("slice", "index"):
             x = self.checked.values[op.args[0]]
-            dims.append(x.shape[op.attrs.get("axis", 0) % len(x.shape)])
+            dims.append(x.shape[op.attrs["axis"]])
         return tuple(sorted({d.sym for d in dims if d.sym is not None}))
 
     def _check_op(self, op, bind: dict[str, int]) -> None:
@@ -170,12 +165,12 @@ class Program:
                     raise ProgramError(f"op {op.index} ({op.name}): dim {d} is negative for this pass")
         if op.name in ("slice", "index"):
             x = self.checked.values[op.args[0]]
-            ax = op.attrs.get("axis", 0) % len(x.shape)
+            ax = op.attrs["axis"]
             n = x.shape[ax].resolve(bind)
             if op.name == "index" and not -n <= op.attrs["i"] < n:
                 raise ProgramError(f"op {op.index} (index): index {op.attrs['i']} out of range {n}")
             if op.name == "slice":
-                got = _slice_len("", ir.Dim.of(n), op.attrs.get("start"), op.attrs.get("stop")).off
+                got = slice_len(ir.Dim.of(n), op.attrs["start"], op.attrs["stop"]).off
                 want = self.checked.values[op.outs[0]].shape[ax].resolve(bind)
                 if got != want:
                     raise ProgramError(f"op {op.index} (slice): window of {n} is too short for this slice")
@@ -290,7 +285,9 @@ class Program:
                 if got is None:
                     if len(self._consts) > _CONSTS_MAX:
                         self._consts.clear()
-                    got = self._consts[key] = (kernels.run_op(ctx, op, []), self._host_const(op))
+                    got = (self._kernel[op.index](ctx, op, []), self._host_const(op))
+                    if got[0][0].untyped_storage().nbytes() <= _CONST_CACHE_BYTES:  # a cached program keeps it
+                        self._consts[key] = got
                 if got[1] is not None:
                     host[len(vals)] = [got[1]] * B
                 vals.extend(got[0])
@@ -298,7 +295,7 @@ class Program:
                 ln = host.get(op.args[2])
                 out, empty = self._dyn_slice(op, tensor(op.args[0]), host[op.args[1]],
                                              ln if ln is not None else tensor(op.args[2]))
-                if empty and kernels._fill_of(op, c.values[op.outs[0]].dtype) < 0:
+                if empty and kernels.fill_of(op, c.values[op.outs[0]].dtype) < 0:
                     blank.add(len(vals))
                 vals.append(out)
             elif op.name == "lru_update" and op.args[2] in blank:
@@ -309,8 +306,9 @@ class Program:
                 vals.append(self._pack(op, tensor(op.args[0]), host[op.args[1]], tensor(op.args[2]),
                                        yl if yl is not None else tensor(op.args[3])))
             elif op.name == "ngram_lookup" and hoist and (len(op.args) == 1 or op.args[1] in host):
-                toks, counts = kernels.ngram_lookup_host(
-                    tensor(op.args[0]), host[op.args[1]] if len(op.args) == 2 else None, *kernels.ngram_params(op.attrs))
+                at = op.attrs
+                toks, counts = ngram_lookup_host(tensor(op.args[0]), host[op.args[1]] if len(op.args) == 2 else None,
+                                                 at["ngram_min"], at["ngram_max"], at["k"])
                 host[len(vals) + 1] = counts
                 vals.extend([toks, None])
             elif op.name == "index" and hoist and op.outs[0] in self._scalar_ints \
@@ -320,7 +318,7 @@ class Program:
                 vals.append(None)
             elif op.name == "argmax" and op.args[0] in arrays:  # numpy's, as kernels.argmax on the CPU
                 x = arrays[op.args[0]]
-                out = arrays[len(vals)] = kernels.argmax_np(x, op.attrs.get("axis", -1) % (x.ndim - 1) + 1)
+                out = arrays[len(vals)] = kernels.argmax_np(x, op.attrs["axis"] + 1)
                 if op.outs[0] in self._scalar_ints:
                     host[len(vals)] = out.tolist()
                 vals.append(None)
@@ -331,7 +329,7 @@ class Program:
                 else:  # the op is the identity on one device operand (x | False, x & True)
                     vals.append(tensor(r[1]))
             else:
-                outs = kernels.run_op(ctx, op, [tensor(a) for a in op.args])
+                outs = self._kernel[op.index](ctx, op, [tensor(a) for a in op.args])
                 if hoist:
                     for o, t in zip(op.outs, outs):
                         if o in self._scalar_ints:
@@ -350,7 +348,7 @@ class Program:
 
     # dyn_slice and pack with host-known offsets: copies of contiguous runs, no index tensors
     def _filled(self, op, x: torch.Tensor) -> torch.Tensor:
-        fill = kernels._fill_of(op, self.checked.values[op.outs[0]].dtype)
+        fill = kernels.fill_of(op, self.checked.values[op.outs[0]].dtype)
         return torch.full((x.shape[0], op.attrs["size"]), fill, dtype=x.dtype, device=x.device)
 
     def _dyn_slice(self, op, x: torch.Tensor, starts: list, lengths) -> tuple[torch.Tensor, bool]:
@@ -412,9 +410,7 @@ class Program:
         return tuple(d.resolve(bind) for d in self.checked.values[op.outs[0]].shape)
 
     def _measured(self, op, bind: dict[str, int]) -> int:
-        """The dim a size op measures, under this binding."""
-        x = self.checked.values[op.args[0]]
-        return x.shape[op.attrs.get("axis", 0) % len(x.shape)].resolve(bind)
+        return measured(self.checked.values, op, bind)
 
     def _input(self, inp, envs: list[Env], dev) -> torch.Tensor:
         k = inp.kind  # round and channel_len are host values (see _run_batch)

@@ -22,12 +22,10 @@ import torch
 
 from host.epilogue.env import ChannelWrite, Env, Result, host_length
 from host.epilogue.kernels import argmax_np
+from host.epilogue.ops import OPS
 from host.epilogue.validate import Checked
 
 READOUTS = ("logits", "hidden", "draft_logits")  # float32 inputs a pass's readout provides
-# scalar integer ops written as Python operators (the interpreter's functions give the same
-# values on Python ints and bools); the other host ops call the interpreter's own functions
-_INLINE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
 
 def host_array(t) -> np.ndarray | None:
@@ -103,15 +101,15 @@ def build(checked: Checked, host_ops: dict[int, Callable], scalar_ints: set[int]
             scope["measured"] = measured
             body.append(f"v{out} = measured(op{op.index}, bind)")
         elif op.index in host_ops and all(k == "s" for k in ak):
-            if op.name in _INLINE:
-                body.append(f"v{out} = v{args[0]} {_INLINE[op.name]} v{args[1]}")
+            pyop = OPS[op.name].pyop  # a Python operator that means the same as the host function
+            if pyop is not None:
+                body.append(f"v{out} = v{args[0]} {pyop} v{args[1]}")
             else:
                 scope[f"f{op.index}"] = host_ops[op.index]
                 body.append(f"v{out} = f{op.index}({', '.join(f'v{a}' for a in args)})")
         elif op.name == "argmax" and ak == ["a"] and out not in scalar_ints:
-            rank = len(checked.values[args[0]].shape)
             scope["argmax_np"] = argmax_np
-            body.append(f"v{out} = argmax_np(v{args[0]}, {op.attrs.get('axis', -1) % rank})")
+            body.append(f"v{out} = argmax_np(v{args[0]}, {op.attrs['axis']})")
             kind[out] = "a"
             continue
         elif op.name == "index" and ak == ["a"] and out in scalar_ints and len(checked.values[args[0]].shape) == 1:

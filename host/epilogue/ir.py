@@ -1,6 +1,7 @@
-"""The epilogue program IR: JSON text, dtypes, symbolic dims, and the op table.
+"""The epilogue program IR: JSON text, dtypes, symbolic dims, and the typed program (values,
+channels, inputs, ops). The ops themselves are declared in host/epilogue/ops/.
 
-The full spec is wit/epilogue-ir.md; this module is its machine-readable half.
+The full spec is wit/epilogue-ir.md; this module and the op registry are its machine-readable half.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from host.errors import InvalidArgument
 
@@ -17,6 +18,8 @@ DTYPES = ("i64", "f32", "bool")
 # Dims the host binds from the pass: readout rows, window, vocab, history, hidden, draft depth.
 SYMBOLS = ("R", "W", "V", "N", "H", "K")
 MAX_OPS = 4096
+MAX_TEXT = 4 << 20  # characters of program JSON
+MAX_DIM = 1 << 24  # any one static dim or symbol offset; the program's byte budget bounds products
 
 
 class ProgramError(InvalidArgument):
@@ -50,21 +53,24 @@ class Dim:
         return self.off if self.sym is None else bind[self.sym] + self.off
 
 
-_DIM_RE = re.compile(r"^([A-Z])([+-]\d+)?$")
+_DIM_RE = re.compile(r"^([A-Z])([+-]\d{1,9})?$")
 
 
 def parse_dim(d, where: str) -> Dim:
     if isinstance(d, bool):
         raise ProgramError(f"{where}: dim {d!r} must be an int or a symbol like 'W' or 'W-1'")
     if isinstance(d, int):
-        if d < 0:
-            raise ProgramError(f"{where}: dim {d} is negative")
+        if not 0 <= d <= MAX_DIM:
+            raise ProgramError(f"{where}: dim {d} is out of range [0, {MAX_DIM}]")
         return Dim.of(d)
     if isinstance(d, str):
-        m = _DIM_RE.match(d)
+        m = _DIM_RE.fullmatch(d)
         if m and m.group(1) in SYMBOLS:
-            return Dim(m.group(1), int(m.group(2) or 0))
-    raise ProgramError(f"{where}: dim {d!r} must be an int or one of {', '.join(SYMBOLS)} (optionally +/-int)")
+            off = int(m.group(2) or 0)
+            if abs(off) > MAX_DIM:
+                raise ProgramError(f"{where}: dim offset {off} is out of range [-{MAX_DIM}, {MAX_DIM}]")
+            return Dim(m.group(1), off)
+    raise ProgramError(f"{where}: dim {short(d)} must be an int or one of {', '.join(SYMBOLS)} (optionally +/-int)")
 
 
 def dim_leq(a: Dim, b: Dim) -> bool:
@@ -76,6 +82,44 @@ def dim_leq(a: Dim, b: Dim) -> bool:
     if a.known:
         return a.off <= 1 + b.off
     return False
+
+
+@dataclass
+class Value:
+    """The static type of an SSA value."""
+
+    dtype: str
+    shape: tuple[Dim, ...]
+    # Candidate upper bounds on an integer value (any one suffices); used to prove fold <= W.
+    ub: list[Dim] = field(default_factory=list)
+    const: int | None = None  # the value of an i64 scalar constant
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass
+class Channel:
+    name: str
+    dtype: str
+    capacity: int
+
+
+@dataclass
+class Op:
+    """A checked op: its attrs are the registry's, complete (defaults filled, axes non-negative)."""
+
+    index: int
+    name: str
+    args: list[int]
+    attrs: dict
+    outs: list[int]
+
+
+@dataclass
+class Input:
+    kind: str
+    channel: str | None
 
 
 # Input kinds -> (dtype, shape); channel inputs take dtype/shape from the channel's declaration.
@@ -90,64 +134,32 @@ INPUT_KINDS = {
     "channel_len": ("i64", ()),
 }
 
-# op name -> (allowed argument counts, number of results)
-UNARY = {"neg", "abs", "exp", "log", "not"}
-BINARY = {"add", "sub", "mul", "div", "floordiv", "mod", "minimum", "maximum",
-          "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor"}
-REDUCE = {"sum", "prod", "min", "max", "argmax", "argmin", "any", "all"}
-SCAN = {"cumsum", "cumprod"}
-EFFECTS = {"put", "set", "fold", "stop"}
-
-OPS: dict[str, tuple[tuple[int, ...], int]] = {
-    **{n: ((1,), 1) for n in UNARY},
-    **{n: ((2,), 1) for n in BINARY},
-    **{n: ((1,), 1) for n in REDUCE},
-    **{n: ((1,), 1) for n in SCAN},
-    "where": ((3,), 1),
-    "cast": ((1,), 1),
-    "const": ((0,), 1),
-    "full": ((0,), 1),
-    "arange": ((0,), 1),
-    "size": ((1,), 1),
-    "softmax": ((1,), 1),
-    "top_k": ((1,), 1),
-    "top_p": ((1,), 1),
-    "sample": ((1,), 1),
-    "rand": ((0,), 1),
-    "index": ((1,), 1),
-    "slice": ((1,), 1),
-    "take": ((2,), 1),
-    "gather": ((2,), 1),
-    "concat": ((2,), 1),
-    "pack": ((4,), 1),
-    "dyn_slice": ((3,), 1),
-    "ngram_lookup": ((1, 2), 2),
-    "verify_greedy": ((2,), 3),
-    "verify_sample": ((2, 3), 3),
-    "lru_lookup": ((3,), 2),
-    "lru_update": ((5,), 2),
-    "put": ((1, 2), 0),
-    "set": ((1, 2), 0),
-    "fold": ((1,), 0),
-    "stop": ((1,), 0),
-}
+def short(v) -> str:
+    """repr(v), cut short: messages quote what a guest sent, which may be huge."""
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
 
 
 def parse(text: str) -> dict:
     """JSON text -> program object, with the top-level structure checked."""
     if not isinstance(text, str):
         raise ProgramError("epilogue program must be JSON text")
+    if len(text) > MAX_TEXT:
+        raise ProgramError(f"epilogue program is {len(text)} characters; at most {MAX_TEXT} are allowed")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ProgramError(f"epilogue program is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # integers past Python's digit limit; deep nesting
+        raise ProgramError(f"epilogue program is not valid JSON: {short(str(e))}") from None
     if not isinstance(obj, dict):
         raise ProgramError("epilogue program must be a JSON object")
-    if obj.get("version") != VERSION:
-        raise ProgramError(f"epilogue program version {obj.get('version')!r} is not supported; use {VERSION}")
+    version = obj.get("version")
+    if type(version) is not int or version != VERSION:  # not true, not 1.0
+        raise ProgramError(f"epilogue program version {short(version)} is not supported; use {VERSION}")
     unknown = set(obj) - {"version", "dims", "channels", "inputs", "ops"}
     if unknown:
-        raise ProgramError(f"epilogue program has unknown keys {sorted(unknown)}")
+        raise ProgramError(f"epilogue program has unknown keys {short(sorted(unknown))}")
     for key, typ in (("dims", dict), ("channels", list), ("inputs", list), ("ops", list)):
         obj.setdefault(key, typ())
         if not isinstance(obj[key], typ):
@@ -155,6 +167,27 @@ def parse(text: str) -> dict:
     if len(obj["ops"]) > MAX_OPS:
         raise ProgramError(f"epilogue program has {len(obj['ops'])} ops; at most {MAX_OPS} are allowed")
     return obj
+
+
+def fields(where: str, entry, required: dict[str, type], optional: dict[str, type] = {}) -> dict:
+    """An object entry of the program (an op, input or channel) with exactly these keys and types."""
+    if not isinstance(entry, dict):
+        raise ProgramError(f"{where}: must be a JSON object")
+    for k in entry:
+        if k not in required and k not in optional:
+            raise ProgramError(f"{where}: unknown key {short(k)}")
+    for k, typ in {**required, **optional}.items():
+        if k not in entry:
+            if k in required:
+                raise ProgramError(f"{where}: missing '{k}'")
+            continue
+        v = entry[k]
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise ProgramError(f"{where}: '{k}' must be a JSON {_JSON_NAME.get(typ, typ.__name__)}, got {short(v)}")
+    return entry
+
+
+_JSON_NAME = {str: "string", int: "integer", list: "array", dict: "object"}
 
 
 def canonical(obj: dict) -> str:

@@ -1,0 +1,3 @@
+from host.epilogue.ops.doc import main
+
+main()

@@ -1,0 +1,205 @@
+"""Indexing and layout: static index and slice, take and gather with a fill, concat, and the
+data-dependent pack and dyn_slice (static size, padded)."""
+
+from __future__ import annotations
+
+import torch
+
+from host.epilogue.ir import Dim, ProgramError, Value
+from host.epilogue.kernels import fill_of, gather_fill
+from host.epilogue.ops.spec import MAX_STATIC_LEN, Attr, define, family, max_bound
+
+F = family("layout", "Indexing and layout:")
+FILL = {"fill": Attr("value", None)}  # None: the dtype's default fill
+SIZE = Attr("int", lo=0, hi=MAX_STATIC_LEN)
+
+
+def _fill(t, at, dtype: str) -> None:
+    if at["fill"] is not None:
+        if isinstance(at["fill"], list):
+            t.fail("attr 'fill' must be a scalar")
+        t.const(at["fill"], dtype)
+
+
+def slice_len(d: Dim, start, stop) -> Dim:
+    """The length of d[start:stop]; raises ProgramError for forms a symbolic dim does not support."""
+    start = 0 if start is None else start
+    if d.known:
+        return Dim.of(len(range(d.off)[slice(start, stop)]))
+    # Symbolic dim: support the common forms x[a:], x[:-b], x[-a:], x[a:-b] (assuming they fit).
+    if stop is None and start >= 0:
+        return d + (-start)
+    if stop is None and start < 0:
+        return Dim.of(-start)
+    if start >= 0 and stop is not None and stop < 0:
+        return d + (stop - start)
+    if start >= 0 and stop is not None and stop >= 0:
+        return Dim.of(stop - start)
+    raise ProgramError(f"slice [{start}:{stop}] of symbolic dim {d} is not supported")
+
+
+def _index_infer(t, av, at):
+    (x,) = av
+    if not x.shape:
+        t.fail("cannot index a scalar")
+    ax = t.axis(x, at)
+    i, d = at["i"], x.shape[ax]
+    if d.known and not -d.off <= i < d.off:  # symbolic dims are checked when the pass binds them
+        t.fail(f"index {i} out of range for dim {d}")
+    return [Value(x.dtype, x.shape[:ax] + x.shape[ax + 1:], x.ub)]
+
+
+define("index", F, args=1, attrs={"i": Attr("int"), "axis": Attr("int", 0)}, infer=_index_infer,
+       kernel=lambda ctx, op, a: [a[0].select(op.attrs["axis"] + 1, op.attrs["i"])],
+       doc="`index(x; i, axis=0)`: a static index (negative from the end), removing the axis.")
+
+
+def _slice_infer(t, av, at):
+    (x,) = av
+    if not x.shape:
+        t.fail("cannot slice a scalar")
+    ax = t.axis(x, at)
+    try:
+        n = slice_len(x.shape[ax], at["start"], at["stop"])
+    except ProgramError as e:
+        t.fail(str(e))
+    return [Value(x.dtype, x.shape[:ax] + (n,) + x.shape[ax + 1:], x.ub)]
+
+
+def _slice(ctx, op, a):
+    ax = op.attrs["axis"] + 1
+    return [a[0][(slice(None),) * ax + (slice(op.attrs["start"], op.attrs["stop"]),)]]
+
+
+define("slice", F, args=1, attrs={"start": Attr("int?", None), "stop": Attr("int?", None), "axis": Attr("int", 0)},
+       infer=_slice_infer, kernel=_slice,
+       doc="`slice(x; start, stop, axis=0)`: a Python slice, step 1, null = open end. On symbolic dims: "
+           "`[a:]`, `[-a:]`, `[a:-b]`, `[a:b]`, checked again when bound.")
+
+
+def _take_infer(t, av, at):
+    x, idx = av
+    t.need(idx, "i64")
+    if not x.shape:
+        t.fail("cannot take from a scalar")
+    _fill(t, at, x.dtype)
+    return [Value(x.dtype, idx.shape + x.shape[1:], x.ub)]
+
+
+def _take(ctx, op, a):
+    x, idx = a
+    B = ctx.B
+    fill = fill_of(op, ctx.values[op.outs[0]].dtype)
+    n, rest = x.shape[1], list(x.shape[2:])
+    flat = idx.reshape(B, -1)
+    m = flat.shape[1]
+    if n == 0:
+        return [torch.full([B, *idx.shape[1:], *rest], fill, dtype=x.dtype, device=ctx.device)]
+    ok = ((flat >= 0) & (flat < n)).view(B, m, *[1] * len(rest))
+    ic = flat.clamp(0, n - 1).view(B, m, *[1] * len(rest)).expand(B, m, *rest)
+    out = x.gather(1, ic).masked_fill(~ok, fill)
+    return [out.reshape(B, *idx.shape[1:], *rest)]
+
+
+define("take", F, args=2, attrs=FILL, infer=_take_infer, kernel=_take,
+       doc="`take(x, idx: i64; fill)`: x[idx] along axis 0; the result is idx.shape + x.shape[1:]; indices "
+           "outside [0, len) give fill.")
+
+
+def _gather_infer(t, av, at):
+    x, idx = av
+    t.need(idx, "i64")
+    if len(x.shape) != len(idx.shape) or not x.shape or x.shape[:-1] != idx.shape[:-1]:
+        t.fail(f"shape mismatch: gather needs equal leading dims, got {x} and {idx}")
+    _fill(t, at, x.dtype)
+    return [Value(x.dtype, idx.shape, x.ub)]
+
+
+def _gather(ctx, op, a):
+    x, idx = a
+    fill = fill_of(op, ctx.values[op.outs[0]].dtype)
+    n = x.shape[-1]
+    if n == 0:
+        return [torch.full(idx.shape, fill, dtype=x.dtype, device=ctx.device)]
+    ok = (idx >= 0) & (idx < n)
+    return [x.gather(-1, idx.clamp(0, n - 1)).masked_fill(~ok, fill)]
+
+
+define("gather", F, args=2, attrs=FILL, infer=_gather_infer, kernel=_gather,
+       doc="`gather(x, idx: i64; fill)`: along the last axis (torch.gather); equal leading dims; "
+           "out-of-range indices give fill.")
+
+
+def _concat_infer(t, av, at):
+    a, b = av
+    if a.dtype != b.dtype:
+        t.fail(f"wrong dtype: {a.dtype} and {b.dtype} differ")
+    if len(a.shape) != len(b.shape) or not a.shape:
+        t.fail(f"shape mismatch: {a} and {b}")
+    ax = t.axis(a, at)
+    for k, (x, y) in enumerate(zip(a.shape, b.shape)):
+        if k != ax and x != y:
+            t.fail(f"shape mismatch: {a} and {b}")
+    da, db = a.shape[ax], b.shape[ax]
+    if da.known:
+        n = db + da.off
+    elif db.known:
+        n = da + db.off
+    else:
+        t.fail(f"shape mismatch: cannot concatenate two symbolic dims {da} and {db}")
+    return [Value(a.dtype, a.shape[:ax] + (n,) + a.shape[ax + 1:], max_bound(a.ub, b.ub))]
+
+
+define("concat", F, args=2, attrs={"axis": Attr("int", 0)}, infer=_concat_infer,
+       kernel=lambda ctx, op, a: [torch.cat(a, dim=op.attrs["axis"] + 1)],
+       doc="`concat(a, b; axis=0)`: static concatenation (at most one of the two axes symbolic).")
+
+
+def _pack_infer(t, av, at):
+    a, alen, b, blen = av
+    if a.dtype != b.dtype:
+        t.fail(f"wrong dtype: {a.dtype} and {b.dtype} differ")
+    t.rank(a, 1), t.rank(b, 1)
+    for ln in (alen, blen):
+        t.need(ln, "i64"), t.rank(ln, 0)
+    _fill(t, at, a.dtype)
+    return [Value(a.dtype, (Dim.of(at["size"]),), max_bound(a.ub, b.ub))]
+
+
+def _pack(ctx, op, a):
+    x, xl, y, yl = a
+    B, size = ctx.B, op.attrs["size"]
+    fill = fill_of(op, ctx.values[op.outs[0]].dtype)
+    j = torch.arange(size, device=ctx.device).unsqueeze(0).expand(B, size)
+    la = xl.clamp(0, x.shape[1]).unsqueeze(1)
+    lb = yl.clamp(0, y.shape[1]).unsqueeze(1)
+    from_a = gather_fill(x, torch.where(j < la, j, -1), fill)
+    from_b = gather_fill(y, torch.where((j >= la) & (j < la + lb), j - la, -1), fill)
+    return [torch.where(j < la, from_a, from_b)]
+
+
+define("pack", F, args=4, attrs={"size": SIZE, **FILL}, infer=_pack_infer, kernel=_pack,
+       doc="`pack(a [n], a_len, b [m], b_len; size, fill)` -> [size]: a[:a_len] then b[:b_len] (lengths are "
+           "i64 scalars, clamped to [0, n] and [0, m]), then fill.")
+
+
+def _dyn_slice_infer(t, av, at):
+    x, start, length = av
+    t.rank(x, 1)
+    for s in (start, length):
+        t.need(s, "i64"), t.rank(s, 0)
+    _fill(t, at, x.dtype)
+    return [Value(x.dtype, (Dim.of(at["size"]),), x.ub)]
+
+
+def _dyn_slice(ctx, op, a):
+    x, start, length = a
+    B, size = ctx.B, op.attrs["size"]
+    j = torch.arange(size, device=ctx.device).unsqueeze(0).expand(B, size)
+    idx = torch.where(j < length.unsqueeze(1), start.unsqueeze(1) + j, -1)
+    return [gather_fill(x, idx, fill_of(op, ctx.values[op.outs[0]].dtype))]
+
+
+define("dyn_slice", F, args=3, attrs={"size": SIZE, **FILL}, infer=_dyn_slice_infer, kernel=_dyn_slice,
+       doc="`dyn_slice(x [n], start, length; size, fill)` -> [size]: x[start + j] for j < length; fill where "
+           "j >= length or the index is outside x.")

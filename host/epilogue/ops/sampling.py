@@ -1,0 +1,90 @@
+"""Sampling ops: softmax, top-k and top-p filters, categorical samples and uniforms (seeded)."""
+
+from __future__ import annotations
+
+import torch
+
+from host.epilogue.ir import Value
+from host.epilogue.kernels import exp_race
+from host.epilogue.ops.spec import Attr, define, family
+
+F = family("sampling", "Sampling (seeded, see Randomness):")
+SEED = Attr("int", 0)
+
+
+def _softmax_infer(t, av, at):
+    (x,) = av
+    t.need(x, "f32")
+    t.nonscalar(x, "softmax")
+    t.axis(x, at)
+    if at["temperature"] <= 0:
+        t.fail("temperature must be > 0 (use argmax for greedy)")
+    return [Value("f32", x.shape)]
+
+
+define("softmax", F, args=1, attrs={"axis": Attr("int", -1), "temperature": Attr("num", 1.0)},
+       infer=_softmax_infer,
+       kernel=lambda ctx, op, a: [torch.softmax(a[0] / op.attrs["temperature"], dim=op.attrs["axis"] + 1)],
+       doc="`softmax(x: f32; axis=-1, temperature=1.0)`: softmax(x / temperature); temperature > 0.")
+
+
+def _filter_infer(name):
+    def infer(t, av, at):
+        (x,) = av
+        t.need(x, "f32")
+        t.nonscalar(x, name)
+        if name == "top_p" and not 0 < at["p"] <= 1:
+            t.fail(f"top_p p={at['p']} must be in (0, 1]")
+        return [Value("f32", x.shape)]
+    return infer
+
+
+def _top_k(ctx, op, a):
+    x = a[0]
+    k = min(op.attrs["k"], x.shape[-1])
+    kth = x.topk(k, dim=-1).values[..., -1:]
+    return [x.masked_fill(x < kth, -torch.inf)]
+
+
+def _top_p(ctx, op, a):
+    x = a[0]
+    srt, order = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(srt, dim=-1)
+    # Drop a token when the tokens ranked above it already hold mass >= p (the top one is always kept).
+    drop_sorted = (probs.cumsum(-1) - probs) >= op.attrs["p"]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return [x.masked_fill(drop, -torch.inf)]
+
+
+define("top_k", F, args=1, attrs={"k": Attr("int", lo=1)}, infer=_filter_infer("top_k"), kernel=_top_k,
+       doc="`top_k(x: f32; k >= 1)`: over the last axis, entries below the k-th largest become -inf "
+           "(ties with the k-th are kept).")
+define("top_p", F, args=1, attrs={"p": Attr("num")}, infer=_filter_infer("top_p"), kernel=_top_p,
+       doc="`top_p(x: f32 logits; 0 < p <= 1)`: over the last axis, sorted by descending probability, an entry "
+           "is dropped (-inf) when the entries ranked above it already hold probability >= p; the top entry is "
+           "always kept.")
+
+
+def _sample_infer(t, av, at):
+    (x,) = av
+    t.need(x, "f32")
+    t.nonscalar(x, "sample (weights over the last axis)")
+    return [Value("i64", x.shape[:-1], [x.shape[-1] + -1])]
+
+
+def _sample(ctx, op, a):
+    w = a[0]
+    return [exp_race(w, ctx.uniforms(op.index, op.attrs["seed"], list(w.shape[1:])))]
+
+
+define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, kernel=_sample,
+       doc="`sample(w: f32 [..., V]; seed=0)` -> i64 [...]: index i with probability w_i / sum(w) over the last "
+           "axis (w >= 0, need not be normalised); -1 if no w_i > 0. Temperature, top-k and top-p are composed "
+           "from the ops above (the tracer's `p.sample(logits, temperature, top_k, top_p, seed)` does it in that "
+           "order).")
+
+
+define("rand", F, args=0, attrs={"shape": Attr("dims"), "seed": SEED},
+       infer=lambda t, av, at: [Value("f32", t.shape(at["shape"]))],
+       kernel=lambda ctx, op, a: [ctx.uniforms(op.index, op.attrs["seed"], ctx.shape(ctx.values[op.outs[0]]))],
+       doc="`rand(; shape, seed=0)` -> f32 uniforms in [0, 1).")
