@@ -139,7 +139,6 @@ class Engine:
         self._ids = itertools.count(1)
         self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
         self.model_time_s = 0.0
-        self.model_calls = 0
         # host ids of a CPU batch go through one reused buffer (see _Staging)
         self._staging = _Staging() if self.device_type == "cpu" else None
 
@@ -318,7 +317,6 @@ class Engine:
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         self.model_time_s += time.perf_counter() - t0
-        self.model_calls += 1
         if len(batch.passes) == 1:  # nothing to split (each torch op costs ~10 us after a model call)
             return [PassOutput(logits, hidden if batch.passes[0].hidden else None)]
         results = []

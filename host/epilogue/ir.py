@@ -18,6 +18,7 @@ DTYPES = ("i64", "f32", "bool")
 # Dims the host binds from the pass: readout rows, window, vocab, history, hidden, draft depth.
 SYMBOLS = ("R", "W", "V", "N", "H", "K")
 MAX_OPS = 4096
+MAX_CHANNEL_CAPACITY = 1 << 20  # cells of one channel (the runtime's channels and a program's declarations)
 MAX_TEXT = 4 << 20  # characters of program JSON
 MAX_DIM = 1 << 24  # any one static dim or symbol offset; the program's byte budget bounds products
 

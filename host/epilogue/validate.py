@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from host.epilogue.ir import INPUT_KINDS, SYMBOLS, Channel, Dim, Input, Op, ProgramError, Value, fields, short
+from host.epilogue.ir import INPUT_KINDS, MAX_CHANNEL_CAPACITY, SYMBOLS, Channel, Dim, Input, Op, ProgramError, Value, fields, short
 from host.epilogue.ops import OPS, Typing, check_attrs
 from host.epilogue.ops.spec import MAX_INT_ATTR
 
-MAX_CHANNEL_CAPACITY = 1 << 20
 # Host or device memory one pass of a program may hold in op results (its intermediates, not the
 # pass's own readout): checked at registration for the dims known then (symbols at their least),
 # and again for each new binding of the symbols before a pass runs.

@@ -15,14 +15,11 @@ from pathlib import Path
 import wasmtime
 from wasmtime.component import Component
 
+from ..store import pie_home
 from .errors import InferletError
 
 _WASM_MAGIC = b"\0asm"
 KEEP = 16  # artifacts kept in the cache folder
-
-
-def pie_home() -> Path:
-    return Path(os.environ.get("PIE_HOME") or Path.home() / ".cache" / "pie")
 
 
 def _wasmtime_version() -> str:

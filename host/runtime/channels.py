@@ -12,10 +12,10 @@ import threading
 
 import torch
 
+from ..epilogue.ir import MAX_CHANNEL_CAPACITY
 from ..errors import InvalidArgument
 from .errors import ChannelClosed, ChannelFull
 
-MAX_CAPACITY = 1 << 20
 
 # WIT element-type name -> (torch storage dtype, Python cell type). u32 is stored as int64:
 # token ids index embeddings directly and torch's uint32 supports few ops.
@@ -31,8 +31,8 @@ class Channel:
     def __init__(self, element: str, capacity: int, device: torch.device):
         if element not in ELEMENTS:
             raise InvalidArgument(f"unknown channel element type {element!r}")
-        if not 0 < capacity <= MAX_CAPACITY:
-            raise InvalidArgument(f"channel capacity {capacity} must be in 1..{MAX_CAPACITY}")
+        if not 0 < capacity <= MAX_CHANNEL_CAPACITY:
+            raise InvalidArgument(f"channel capacity {capacity} must be in 1..{MAX_CHANNEL_CAPACITY}")
         self.element = element
         self.capacity = capacity
         self.buf = torch.zeros(capacity, dtype=ELEMENTS[element][0], device=device)
