@@ -1,6 +1,7 @@
 """The op registry: every epilogue op declared once, in its family's module, with its arity,
-attributes and defaults, type rule, torch kernel, host function and IR doc entry (spec.py says
-what each is). Validation, execution and the ops section of wit/epilogue-ir.md all read OPS.
+attributes and defaults, type rule, torch kernel, host function, variants for host-held operands
+and IR doc entry (spec.py says what each is). Validation, planning (plan.py) and the ops
+section of wit/epilogue-ir.md all read OPS.
 
 A new op is one `define(...)` in the module of its family, its reference test in
 tests/test_epilogue_ops.py, `python -m host.epilogue.ops` to rewrite the document, and a

@@ -4,6 +4,9 @@ write per channel, one fold and one stop."""
 
 from __future__ import annotations
 
+import torch
+
+from host.epilogue.env import host_length
 from host.epilogue.ir import Dim, dim_leq
 from host.epilogue.ops.spec import Attr, define, family
 
@@ -52,3 +55,39 @@ def _stop_infer(t, av, at):
 define("fold", F, args=1, results=0, infer=_fold_infer, kernel=None,
        doc="`fold(n: i64 [])`: the rows of this window that become committed state (clamped to [0, W]).")
 define("stop", F, args=1, results=0, infer=_stop_infer, kernel=None, doc="`stop(flag: bool [])`: raise the stop flag.")
+
+
+# --- applying a write (the executor calls these; they are the effects' implementations) -------
+
+def write_cells(ch, put: bool, cells, count, capacity: int) -> tuple:
+    """Write one pass's cells to channel `ch` in place: appended (put) or from cell 0 (set), the
+    first `count` of them (None: all; a host int, or a 0-d device tensor), as many as fit.
+    cells: a list or 1-D numpy array in host memory, or a 1-D tensor on the channel's device.
+    Returns (new length, overflow): host values where the count is a host value, else 0-d tensors.
+
+    Where a cell goes depends only on the channel's length at the start of the round, a host
+    int, so a write with a host count is one copy; with a device count the cells past it keep
+    their old contents (a select) and the new length stays on the device until the readback."""
+    start = host_length(ch) if put else 0
+    size = len(cells)
+    room = max(min(size, capacity - start), 0)
+    if count is None or isinstance(count, int):
+        n = size if count is None else min(max(count, 0), size)
+        k = min(n, room)
+        if k:
+            if isinstance(cells, torch.Tensor):  # narrow/select: a few us cheaper each than indexing
+                ch.buf.narrow(0, start, k).copy_(cells.narrow(0, 0, k))  # converts the dtype
+            else:  # numpy's assignment converts the dtype as torch's copy_ does, at about half its cost
+                dst = ch.buf.numpy() if getattr(ch, "host", None) is None else ch.host
+                if k == 1:  # one cell (a decode step's token): no slices
+                    dst[start] = cells[0]
+                else:
+                    dst[start:start + k] = cells[:k]
+        return start + k, n > room
+    cells = cells if isinstance(cells, torch.Tensor) else torch.as_tensor(cells)
+    n = count.clamp(0, size)
+    if room:
+        dst = ch.buf[start:start + room]
+        keep = torch.arange(room, device=ch.buf.device) < n
+        dst.copy_(torch.where(keep, cells[:room].to(dst.dtype), dst))
+    return start + torch.clamp(n, max=room), n > room

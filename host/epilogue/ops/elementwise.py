@@ -6,7 +6,7 @@ import torch
 
 from host.epilogue.ir import Dim, Value
 from host.epilogue.kernels import TORCH_DTYPE, align
-from host.epilogue.ops.spec import Attr, define, family, max_bound
+from host.epilogue.ops.spec import HOST, TENSOR, Attr, Variant, define, family, max_bound
 
 F = family("elementwise", "Elementwise (broadcasting; binary ops need equal dtypes):")
 
@@ -18,20 +18,20 @@ def wrap(x: int) -> int:
 
 # --- unary --------------------------------------------------------------------------------
 
-def _unary(name: str, dtypes: tuple[str, ...], fn, host, doc: str) -> None:
+def _unary(name: str, dtypes: tuple[str, ...], fn, host, doc: str, inline: str | None = None) -> None:
     def infer(t, av, at):
         (x,) = av
         t.need(x, *dtypes)
         return [Value(x.dtype, x.shape, x.ub if name == "abs" else [])]
 
-    define(name, F, args=1, infer=infer, kernel=lambda ctx, op, a: [fn(a[0])], host=host, doc=doc)
+    define(name, F, args=1, infer=infer, kernel=lambda ctx, op, a: [fn(a[0])], host=host, inline=inline, doc=doc)
 
 
 _unary("neg", ("i64", "f32"), torch.neg, lambda a: wrap(-a), "`neg(x)`: -x (i64|f32).")
 _unary("abs", ("i64", "f32"), torch.abs, lambda a: wrap(abs(a)), "`abs(x)`: |x| (i64|f32).")
 _unary("exp", ("f32",), torch.exp, None, "`exp(x)`: e^x (f32).")
 _unary("log", ("f32",), torch.log, None, "`log(x)`: natural log (f32; log 0 = -inf).")
-_unary("not", ("bool",), torch.logical_not, lambda a: not a, "`not(x)`: logical not (bool).")
+_unary("not", ("bool",), torch.logical_not, lambda a: not a, "`not(x)`: logical not (bool).", "(not {0})")
 
 
 # --- binary -------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def _bound(name: str, a: Value, b: Value) -> list[Dim]:
     return []
 
 
-def _binary(name: str, dtypes: tuple[str, ...], out: str | None, fn, host, doc: str, pyop: str | None = None) -> None:
+def _binary(name: str, dtypes: tuple[str, ...], out: str | None, fn, host, doc: str, inline: str | None = None) -> None:
     def infer(t, av, at):
         a, b = av
         if a.dtype != b.dtype:
@@ -70,7 +70,7 @@ def _binary(name: str, dtypes: tuple[str, ...], out: str | None, fn, host, doc: 
         r = len(ctx.values[op.outs[0]].shape)
         return [fn(align(a[0], r), align(a[1], r))]
 
-    define(name, F, args=2, infer=infer, kernel=kernel, host=host, pyop=pyop, doc=doc)
+    define(name, F, args=2, infer=infer, kernel=kernel, host=host, inline=inline, doc=doc)
 
 
 NUM, ANY = ("i64", "f32"), ("i64", "f32", "bool")
@@ -84,15 +84,18 @@ _binary("mod", ("i64",), None, lambda a, b: _safe_int_div(a, b, "mod"), lambda a
         "`mod(a, b)`: a - b * floor(a / b) (i64, the sign of b); modulo zero gives 0.")
 _binary("minimum", NUM, None, torch.minimum, min, "`minimum(a, b)`: the smaller (i64|f32).")
 _binary("maximum", NUM, None, torch.maximum, max, "`maximum(a, b)`: the larger (i64|f32).")
-_binary("eq", ANY, "bool", torch.eq, lambda a, b: a == b, "`eq(a, b)`: a == b (any dtype) -> bool.", "==")
-_binary("ne", ANY, "bool", torch.ne, lambda a, b: a != b, "`ne(a, b)`: a != b (any dtype) -> bool.", "!=")
-_binary("lt", NUM, "bool", torch.lt, lambda a, b: a < b, "`lt(a, b)`: a < b (i64|f32) -> bool.", "<")
-_binary("le", NUM, "bool", torch.le, lambda a, b: a <= b, "`le(a, b)`: a <= b (i64|f32) -> bool.", "<=")
-_binary("gt", NUM, "bool", torch.gt, lambda a, b: a > b, "`gt(a, b)`: a > b (i64|f32) -> bool.", ">")
-_binary("ge", NUM, "bool", torch.ge, lambda a, b: a >= b, "`ge(a, b)`: a >= b (i64|f32) -> bool.", ">=")
-_binary("and", ("bool",), "bool", torch.logical_and, lambda a, b: bool(a and b), "`and(a, b)`: logical and (bool).")
-_binary("or", ("bool",), "bool", torch.logical_or, lambda a, b: bool(a or b), "`or(a, b)`: logical or (bool).")
-_binary("xor", ("bool",), "bool", torch.logical_xor, lambda a, b: bool(a) != bool(b), "`xor(a, b)`: logical xor (bool).")
+_binary("eq", ANY, "bool", torch.eq, lambda a, b: a == b, "`eq(a, b)`: a == b (any dtype) -> bool.", "{0} == {1}")
+_binary("ne", ANY, "bool", torch.ne, lambda a, b: a != b, "`ne(a, b)`: a != b (any dtype) -> bool.", "{0} != {1}")
+_binary("lt", NUM, "bool", torch.lt, lambda a, b: a < b, "`lt(a, b)`: a < b (i64|f32) -> bool.", "{0} < {1}")
+_binary("le", NUM, "bool", torch.le, lambda a, b: a <= b, "`le(a, b)`: a <= b (i64|f32) -> bool.", "{0} <= {1}")
+_binary("gt", NUM, "bool", torch.gt, lambda a, b: a > b, "`gt(a, b)`: a > b (i64|f32) -> bool.", "{0} > {1}")
+_binary("ge", NUM, "bool", torch.ge, lambda a, b: a >= b, "`ge(a, b)`: a >= b (i64|f32) -> bool.", "{0} >= {1}")
+_binary("and", ("bool",), "bool", torch.logical_and, lambda a, b: bool(a and b), "`and(a, b)`: logical and (bool).",
+        "({0} and {1})")
+_binary("or", ("bool",), "bool", torch.logical_or, lambda a, b: bool(a or b), "`or(a, b)`: logical or (bool).",
+        "({0} or {1})")
+_binary("xor", ("bool",), "bool", torch.logical_xor, lambda a, b: bool(a) != bool(b), "`xor(a, b)`: logical xor (bool).",
+        "{0} != {1}")
 
 
 # --- where, cast --------------------------------------------------------------------------
@@ -111,7 +114,22 @@ def _where_kernel(ctx, op, a):
     return [torch.where(*(align(x, r) for x in a))]
 
 
+def _same_shapes(values, op) -> bool:
+    out = values[op.outs[0]].shape
+    return values[op.args[1]].shape == out and values[op.args[2]].shape == out
+
+
+def _where_host_cond(ctx, op, conds: list, a, b):
+    """A condition the host knows picks a whole operand: no select over its cells."""
+    if all(conds) or not any(conds):
+        return a if conds[0] else b
+    c = torch.tensor(conds, device=a.device).view(-1, *[1] * (a.dim() - 1))
+    return torch.where(c, a, b)
+
+
 define("where", F, args=3, infer=_where_infer, kernel=_where_kernel, host=lambda c, a, b: a if c else b,
+       inline="({1} if {0} else {2})",
+       variants=(Variant((HOST, TENSOR, TENSOR), (TENSOR,), _where_host_cond, when=_same_shapes, ctx=False),),
        doc="`where(cond: bool, a, b)`: a where cond, else b (a and b of one dtype; the three broadcast).")
 
 
@@ -122,6 +140,12 @@ def _cast_infer(t, av, at):
     return [Value(dt, x.shape, ub)]
 
 
+def _scalar_int_cast(values, op) -> bool:
+    return not values[op.outs[0]].shape and op.attrs["dtype"] in ("i64", "bool") and values[op.args[0]].dtype != "f32"
+
+
 define("cast", F, args=1, attrs={"dtype": Attr("dtype")}, infer=_cast_infer,
        kernel=lambda ctx, op, a: [a[0].to(TORCH_DTYPE[op.attrs["dtype"]])],
+       variants=(Variant((HOST,), (HOST,), lambda ctx, op, xs: [(int if op.attrs["dtype"] == "i64" else bool)(x) for x in xs],
+                         when=_scalar_int_cast, ctx=False),),
        doc="`cast(x; dtype)`: x converted (f32 -> i64 truncates toward zero; bool -> 0/1; nonzero -> true).")

@@ -7,7 +7,7 @@ import torch
 
 from host.epilogue.ir import Dim, ProgramError, Value
 from host.epilogue.kernels import fill_of, gather_fill
-from host.epilogue.ops.spec import MAX_STATIC_LEN, Attr, define, family, max_bound
+from host.epilogue.ops.spec import ARRAY, HOST, MAX_STATIC_LEN, TENSOR, Attr, Variant, define, family, max_bound
 
 F = family("layout", "Indexing and layout:")
 FILL = {"fill": Attr("value", None)}  # None: the dtype's default fill
@@ -49,8 +49,16 @@ def _index_infer(t, av, at):
     return [Value(x.dtype, x.shape[:ax] + x.shape[ax + 1:], x.ub)]
 
 
+def _scalar_of_vector(values, op) -> bool:
+    out = values[op.outs[0]]
+    return not out.shape and out.dtype in ("i64", "bool") and len(values[op.args[0]].shape) == 1
+
+
 define("index", F, args=1, attrs={"i": Attr("int"), "axis": Attr("int", 0)}, infer=_index_infer,
        kernel=lambda ctx, op, a: [a[0].select(op.attrs["axis"] + 1, op.attrs["i"])],
+       # a cell of a vector in host memory, read as a Python scalar (no select, no tolist)
+       variants=(Variant((ARRAY,), (HOST,), lambda ctx, op, a: [a.item(b, op.attrs["i"]) for b in range(len(a))],
+                         host_memory=True, when=_scalar_of_vector, ctx=False),),
        doc="`index(x; i, axis=0)`: a static index (negative from the end), removing the axis.")
 
 
@@ -178,7 +186,32 @@ def _pack(ctx, op, a):
     return [torch.where(j < la, from_a, from_b)]
 
 
-define("pack", F, args=4, attrs={"size": SIZE, **FILL}, infer=_pack_infer, kernel=_pack,
+def _filled(ctx, op, x: torch.Tensor) -> torch.Tensor:
+    fill = fill_of(op, ctx.values[op.outs[0]].dtype)
+    return torch.full((x.shape[0], op.attrs["size"]), fill, dtype=x.dtype, device=x.device)
+
+
+def _pack_copy(ctx, op, x, xl: list, y, yl):
+    """pack with host offsets: copies of contiguous runs, no index tensors (any device)."""
+    out, size = _filled(ctx, op, x), op.attrs["size"]
+    for b, la in enumerate(xl):
+        a = min(max(la, 0), x.shape[1], size)
+        out[b, :a] = x[b, :a]
+        m = min(y.shape[1], size - a)
+        if isinstance(yl, list):
+            m = min(m, max(yl[b], 0))
+            out[b, a:a + m] = y[b, :m]
+        elif m > 0:  # a device length: cells past it keep the fill
+            keep = torch.arange(m, device=y.device) < yl[b]
+            out[b, a:a + m] = torch.where(keep, y[b, :m], out[b, a:a + m])
+    return out
+
+
+PACK_VARIANTS = (Variant((TENSOR, HOST, TENSOR, HOST), (TENSOR,), _pack_copy),
+                 Variant((TENSOR, HOST, TENSOR, TENSOR), (TENSOR,), _pack_copy))
+
+
+define("pack", F, args=4, variants=PACK_VARIANTS, attrs={"size": SIZE, **FILL}, infer=_pack_infer, kernel=_pack,
        doc="`pack(a [n], a_len, b [m], b_len; size, fill)` -> [size]: a[:a_len] then b[:b_len] (lengths are "
            "i64 scalars, clamped to [0, n] and [0, m]), then fill.")
 
@@ -200,6 +233,26 @@ def _dyn_slice(ctx, op, a):
     return [gather_fill(x, idx, fill_of(op, ctx.values[op.outs[0]].dtype))]
 
 
-define("dyn_slice", F, args=3, attrs={"size": SIZE, **FILL}, infer=_dyn_slice_infer, kernel=_dyn_slice,
+def _dyn_slice_copy(ctx, op, x, starts: list, lengths):
+    """dyn_slice with a host start: a copy of a contiguous run, no index tensors (any device)."""
+    out, n, size = _filled(ctx, op, x), x.shape[1], op.attrs["size"]
+    for b, st in enumerate(starts):
+        ln = lengths[b] if isinstance(lengths, list) else size
+        j0, j1 = max(0, -st), min(size, ln, n - st)
+        if j1 <= j0:
+            continue
+        if isinstance(lengths, list):
+            out[b, j0:j1] = x[b, st + j0:st + j1]
+        else:  # a device length: cells past it keep the fill
+            keep = torch.arange(j0, j1, device=x.device) < lengths[b]
+            out[b, j0:j1] = torch.where(keep, x[b, st + j0:st + j1], out[b, j0:j1])
+    return out
+
+
+DYN_SLICE_VARIANTS = (Variant((TENSOR, HOST, HOST), (TENSOR,), _dyn_slice_copy),
+                      Variant((TENSOR, HOST, TENSOR), (TENSOR,), _dyn_slice_copy))
+
+
+define("dyn_slice", F, args=3, variants=DYN_SLICE_VARIANTS, attrs={"size": SIZE, **FILL}, infer=_dyn_slice_infer, kernel=_dyn_slice,
        doc="`dyn_slice(x [n], start, length; size, fill)` -> [size]: x[start + j] for j < length; fill where "
            "j >= length or the index is outside x.")

@@ -6,7 +6,7 @@ import torch
 
 from host.epilogue.ir import Dim, Value
 from host.epilogue.kernels import argmax
-from host.epilogue.ops.spec import Attr, define, family
+from host.epilogue.ops.spec import TENSOR, Attr, Variant, define, family
 
 F = family("lru", "The LRU n-gram table (Cacheback):")
 GK = {"g": Attr("int", lo=1, hi=64), "k": Attr("int", lo=1, hi=1024)}
@@ -55,8 +55,17 @@ token), cut at their first -1; count 0 and all -1 when no row matches. Pure: it 
 the stamps. S, g and k are static (table and stamps are typically channels of those capacities,
 initialised to -1).""")
 
+def _update_or_skip(ctx, op, table, stamps, seq, length, leaders):
+    """In host memory: a sequence of padding only (no leader qualifies) leaves the table as it is,
+    without the kernel's ~20 ops (the rounds before any token leaves the lookup window)."""
+    if bool((seq.numpy() < 0).all()):
+        return table, stamps
+    return tuple(lru_update(table, stamps, seq, length, leaders, op.attrs["g"], op.attrs["k"]))
+
+
 define("lru_update", F, args=5, results=2, attrs=GK, infer=_update_infer,
        kernel=lambda ctx, op, a: lru_update(*a, op.attrs["g"], op.attrs["k"]),
+       variants=(Variant((TENSOR,) * 5, (TENSOR, TENSOR), _update_or_skip, host_memory=True, ctx=False),),
        doc="""`lru_update(table, stamps, seq: i64 [n], length: i64 [], leaders: i64 []; g, k)` -> (table'
 [S*(g+k)], stamps' [S]) (n static, <= 1024). The candidates are the leaders seq[i:i+g], i = 0 ..
 leaders-1, with followers seq[i+g : min(i+g+k, length)] cut at the first negative token; a

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Dim, Value
-from host.epilogue.kernels import argmax
-from host.epilogue.ops.spec import Attr, define, family
+from host.epilogue.kernels import argmax, argmax_np
+from host.epilogue.ops.spec import ARRAY, Attr, Variant, define, family
 
 F = family("reduce", "Reductions over `axis` (default -1), removing it; scans along it:")
 AXIS = {"axis": Attr("int", -1)}
 
 
-def _reduction(name: str, dtypes: tuple[str, ...], fn, doc: str) -> None:
+def _reduction(name: str, dtypes: tuple[str, ...], fn, doc: str, variants=()) -> None:
     def infer(t, av, at):
         (x,) = av
         if not x.shape:
@@ -28,7 +28,7 @@ def _reduction(name: str, dtypes: tuple[str, ...], fn, doc: str) -> None:
             return [Value("i64", shape, [x.shape[ax]])]
         return [Value(x.dtype, shape, x.ub if name in ("min", "max") else [])]
 
-    define(name, F, args=1, attrs=AXIS, infer=infer, doc=doc,
+    define(name, F, args=1, attrs=AXIS, infer=infer, doc=doc, variants=variants,
            kernel=lambda ctx, op, a: [fn(a[0], op.attrs["axis"] + 1)])
 
 
@@ -41,7 +41,10 @@ _reduction("prod", ("i64", "f32"), lambda x, d: torch.prod(x, dim=d), "`prod(x; 
 _reduction("min", ("i64", "f32"), lambda x, d: torch.amin(x, dim=d), "`min(x; axis=-1)`: the smallest (i64|f32).")
 _reduction("max", ("i64", "f32"), lambda x, d: torch.amax(x, dim=d), "`max(x; axis=-1)`: the largest (i64|f32).")
 _reduction("argmax", ("i64", "f32"), lambda x, d: argmax(x, d),
-           "`argmax(x; axis=-1)` -> i64: the index of the largest (the first on ties; a NaN counts as the largest).")
+           "`argmax(x; axis=-1)` -> i64: the index of the largest (the first on ties; a NaN counts as the largest).",
+           # numpy's, on a readout in host memory: no tensor made (a greedy round makes none)
+           (Variant((ARRAY,), (ARRAY,), lambda ctx, op, a: argmax_np(a, op.attrs["axis"] + 1), host_memory=True,
+                    ctx=False),))
 _reduction("argmin", ("i64", "f32"), lambda x, d: torch.argmin(x, dim=d),
            "`argmin(x; axis=-1)` -> i64: the index of the smallest (the first on ties).")
 _reduction("any", ("bool",), lambda x, d: torch.any(x, dim=d), "`any(x; axis=-1)`: some element is true (bool).")

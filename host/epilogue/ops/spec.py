@@ -29,6 +29,29 @@ class Attr:
     hi: float | None = None
 
 
+HOST, ARRAY, TENSOR = "h", "a", "t"  # the forms a value takes in a plan (see Variant)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Another implementation of an op, for operands in other forms than tensors; the planner
+    (plan.py) picks it, when a program is planned for a device and a batch size, where every
+    operand can be had in the form it takes. Forms: HOST (one Python scalar per pass, as a list
+    of B), ARRAY (a numpy array [B, ...] in host memory) and TENSOR (a torch tensor [B, ...]).
+
+    fn(ctx, op, *args) -> the results in the forms of `gives` (a tuple when several); ctx is the
+    kernels' Ctx where `ctx` is true, else None (making one costs more than a small op).
+    host_memory: only where the host reads the device's memory (the CPU).
+    when(values, op): a static condition on the op's types, if any."""
+
+    takes: tuple[str, ...]
+    gives: tuple[str, ...]
+    fn: Callable
+    host_memory: bool = False
+    when: Callable | None = None
+    ctx: bool = True
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op: arity, results, attributes, type rule, implementation(s) and its IR doc entry.
@@ -38,7 +61,9 @@ class OpSpec:
     kernel(ctx, op, tensors) -> result tensors: the torch implementation over batched values
     [B, ...] (None for effects, which the executor applies itself).
     host: the same op on Python ints and bools, for scalar integer results the host computes.
-    pyop: the Python operator a generated plan writes for it (when it means the same as host)."""
+    inline: the Python expression a generated plan writes for it, over its operands {0}, {1}, ...
+    (where it means the same as host on the op's operand types; a call costs more than the op).
+    variants: faster implementations for operands the host holds (Variant)."""
 
     name: str
     family: str
@@ -49,7 +74,8 @@ class OpSpec:
     kernel: Callable | None
     doc: str
     host: Callable | None = None
-    pyop: str | None = None
+    inline: str | None = None
+    variants: tuple[Variant, ...] = ()
 
     @property
     def effect(self) -> bool:
@@ -66,11 +92,12 @@ def family(name: str, heading: str) -> str:
 
 
 def define(name: str, family: str, *, args, results: int = 1, attrs: dict | None = None, infer: Callable,
-           kernel: Callable | None, doc: str, host: Callable | None = None, pyop: str | None = None) -> OpSpec:
+           kernel: Callable | None, doc: str, host: Callable | None = None, inline: str | None = None,
+           variants: tuple[Variant, ...] = ()) -> OpSpec:
     if name in OPS:
         raise ValueError(f"op {name!r} is defined twice")
     spec = OpSpec(name, family, tuple(args) if isinstance(args, (tuple, list)) else (args,), results,
-                  dict(attrs or {}), infer, kernel, doc.strip(), host, pyop)
+                  dict(attrs or {}), infer, kernel, doc.strip(), host, inline, tuple(variants))
     OPS[name] = spec
     return spec
 
@@ -253,5 +280,5 @@ def max_bound(a: list[Dim], b: list[Dim]) -> list[Dim]:
     return out
 
 
-__all__ = ["Attr", "OpSpec", "OPS", "FAMILIES", "REQUIRED", "MAX_STATIC_LEN", "SYMBOLS", "Typing", "define", "family",
+__all__ = ["Attr", "OpSpec", "Variant", "HOST", "ARRAY", "TENSOR", "OPS", "FAMILIES", "REQUIRED", "MAX_STATIC_LEN", "SYMBOLS", "Typing", "define", "family",
            "check_attrs", "const_shape", "max_bound"]

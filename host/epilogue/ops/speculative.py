@@ -7,7 +7,7 @@ import torch
 
 from host.epilogue.ir import Dim, Value
 from host.epilogue.kernels import exp_race
-from host.epilogue.ops.spec import Attr, define, family, max_bound
+from host.epilogue.ops.spec import HOST, TENSOR, Attr, Variant, define, family, max_bound
 
 F = family("speculative", "Speculative decoding:")
 
@@ -27,7 +27,15 @@ def _ngram(ctx, op, a):
     return ngram_lookup(a[0], a[1] if len(a) == 2 else None, at["ngram_min"], at["ngram_max"], at["k"])
 
 
+def _ngram_host(ctx, op, seq, lengths=None):
+    at = op.attrs
+    return ngram_lookup_host(seq, lengths, at["ngram_min"], at["ngram_max"], at["k"])
+
+
 define("ngram_lookup", F, args=(1, 2), results=2,
+       # a byte search of the history in host memory, with host lengths
+       variants=(Variant((TENSOR,), (TENSOR, HOST), _ngram_host, host_memory=True, ctx=False),
+                 Variant((TENSOR, HOST), (TENSOR, HOST), _ngram_host, host_memory=True, ctx=False)),
        attrs={"k": Attr("int", lo=1, hi=1024), "ngram_min": Attr("int", 1, lo=1, hi=64),
               "ngram_max": Attr("int", lambda at: max(at["ngram_min"], 3), lo=1, hi=64)},
        infer=_ngram_infer, kernel=_ngram,
