@@ -29,3 +29,22 @@ class ModelNotFound(PieError):
 
 class ImportFailed(PieError):
     code = "import-failed"
+
+
+class Internal(PieError):
+    """A failure no check foresaw (a host bug, or an input that slipped past validation):
+    it ends the one instance it happened in, never the process."""
+
+    code = "internal"
+
+
+def unexpected(what: str, e: BaseException) -> PieError:
+    """`e` as the error of one instance: PieErrors as they are, anything else as Internal naming `what`."""
+    return e if isinstance(e, PieError) else Internal(f"{what} failed: {type(e).__name__}: {e}")
+
+
+def detached(e: BaseException) -> BaseException:
+    """`e` without its traceback and chained exceptions, for an error that is kept (a future's):
+    their frames would keep the objects of whoever raised it alive, other instances' included."""
+    e.__traceback__ = e.__cause__ = e.__context__ = None
+    return e

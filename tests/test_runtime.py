@@ -34,12 +34,16 @@ FAILURES = [
     ("truncated-wasm", "truncated", "not a valid component (truncated or corrupt?)"),
     ("core-module", "core", "core WebAssembly module, not a component"),
     ("other-world", "other-world", "not built against the pie:inferlet@0.1.0 world"),
+    # issue 22: a device loop's failure beside the healthy one's, and imports of other types
+    ("loop-epilogue-reads-hidden", "mode:loop-hidden", "invalid-argument: epilogue reads 'hidden'"),
+    ("loop-emits-negative-id", "mode:loop-emit-negative", "invalid-argument: token id -1 is outside the vocabulary"),
+    ("send-of-another-type", "bad-imports", "imports runtime.send with another type"),
 ]
 
 
 @pytest.mark.parametrize("case,what,expected", FAILURES, ids=[f[0] for f in FAILURES])
 def test_failure_is_clear_and_isolated(case, what, expected, runtime, engine, text_completion_wasm, misbehave_wasm,
-                                       other_world_wasm, healthy_alone):
+                                       other_world_wasm, bad_imports_wasm, healthy_alone):
     from host.runtime import Limits
 
     free_before = engine.pool.free_pages
@@ -52,7 +56,7 @@ def test_failure_is_clear_and_isolated(case, what, expected, runtime, engine, te
     elif what == "core":
         wasm = b"\0asm\x01\0\0\0"  # an empty core module
     else:
-        wasm = other_world_wasm
+        wasm = other_world_wasm if what == "other-world" else bad_imports_wasm
     healthy = runtime.start(text_completion_wasm, HEALTHY_ARGS)
     bad = runtime.start(wasm, args, limits=Limits(memory_bytes=256 << 20, cpu_time_s=2.0))
     bad_result, ok_result = bad.result(timeout=120), healthy.result(timeout=120)

@@ -52,6 +52,11 @@ def other_world_wasm() -> Path:
 
 
 @pytest.fixture(scope="session")
+def bad_imports_wasm() -> Path:
+    return build_test_inferlet("bad-imports", world="bad-imports")
+
+
+@pytest.fixture(scope="session")
 def runtime(engine):
     from host.runtime import Runtime
 
@@ -60,4 +65,4 @@ def runtime(engine):
     rt.close()
 
 
-__all__ = ["misbehave_wasm", "other_world_wasm", "runtime", "text_completion_wasm"]
+__all__ = ["bad_imports_wasm", "misbehave_wasm", "other_world_wasm", "runtime", "text_completion_wasm"]

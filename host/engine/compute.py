@@ -56,6 +56,8 @@ class ComputeThread:
                 fut.set_result(fn(*args, **kwargs))
             except BaseException as e:  # delivered to the caller, the thread lives on
                 fut.set_exception(e)
+            # an idle thread must not keep its last task (an ended instance's objects) alive
+            del fut, fn, args, kwargs
 
 
 def compute() -> ComputeThread:

@@ -19,7 +19,7 @@ from ..errors import ContextOverflow, InvalidArgument, PieError
 from . import attention
 from .compute import on_compute_thread
 from .linear import PackedLinears
-from .pages import PagePool
+from .pages import PagePool, Quota
 from .readout import Readout
 from .working_set import WorkingSet
 
@@ -143,9 +143,10 @@ class Engine:
         self._staging = _Staging() if self.device_type == "cpu" else None
 
     # ---- working sets -------------------------------------------------------------
-    def new_working_set(self) -> WorkingSet:
+    def new_working_set(self, quota: Quota | None = None) -> WorkingSet:
+        """quota: the pages its instance may hold (PagePool.quota); None: the whole pool."""
         with self.lock:
-            return WorkingSet(next(self._ids), self.pool)
+            return WorkingSet(next(self._ids), self.pool, quota=quota)
 
     def fork(self, ws: WorkingSet) -> WorkingSet:
         with self.lock:

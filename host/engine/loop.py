@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..epilogue import Env, Result, host_readable
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, detached, unexpected
 from .engine import Pass, PassOutput
 from .working_set import WorkingSet
 
@@ -116,41 +116,74 @@ class DeviceLoop:
             if error is None:
                 self.done.set_result(self.stats)
             else:
-                self.done.set_exception(error)
+                self.done.set_exception(detached(error))
 
 
 def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device,
                   device_type: str) -> list:
     """Run each loop's epilogue on its pass's outputs; channels are written in place on the device.
-    Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device values)."""
-    envs, progs = [], []
+    Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device
+    values), or the PieError that ends that loop alone."""
+    results: list = [Result()] * len(loops)
+    envs: list = [None] * len(loops)
     host = host_readable(device_type)  # logits in host memory reach the executor as numpy arrays
-    for loop, ps, out in zip(loops, passes, outs):
+    # One run per program and pass shape, as the executor batches them anyway: a run that raises
+    # then wrote no other shape's channels, and its passes are retried one by one.
+    groups: dict[tuple, list[int]] = {}
+    for i, (loop, ps, out) in enumerate(zip(loops, passes, outs)):
+        if loop.program is None:
+            continue
         hist = None
-        if loop.program is not None and "history" in loop.program.uses:
+        if "history" in loop.program.uses:
             hist = torch.tensor(loop.ws.tokens, dtype=torch.int64, device=device)  # host->device, no sync
         window, window_len = ps.tokens, None
         if isinstance(window, list):  # host tokens: a tensor only for a program that reads them
-            if loop.program is not None and "window" in loop.program.uses:
+            if "window" in loop.program.uses:
                 window = torch.tensor(window, dtype=torch.int64, device=device)
             else:
                 window, window_len = None, ps.window
         logits = out.logits.numpy() if host else out.logits
-        envs.append(Env(logits=logits, window=window, history=hist, hidden=out.hidden,
-                        channels=loop.channels, seed=loop.seed, round=loop.round, window_len=window_len))
-        progs.append(loop.program)
-    results: list = [Result()] * len(loops)
-    by_prog: dict[int, list[int]] = {}
-    for i, p in enumerate(progs):
-        if p is not None:
-            by_prog.setdefault(id(p), []).append(i)
-    for idx in by_prog.values():
-        for i, res in zip(idx, progs[idx[0]].run([envs[i] for i in idx])):
+        envs[i] = Env(logits=logits, window=window, history=hist, hidden=out.hidden,
+                      channels=loop.channels, seed=loop.seed, round=loop.round, window_len=window_len)
+        key = (id(loop.program), out.logits.shape[0], ps.window, None if hist is None else hist.shape[0],
+               out.hidden is None)
+        groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+        prog = loops[idx[0]].program
+        try:
+            got = prog.run([envs[i] for i in idx])
+        except Exception as e:
+            got = [unexpected("the epilogue", e)] if len(idx) == 1 else [_run_alone(prog, envs[i]) for i in idx]
+        for i, res in zip(idx, got):
             results[i] = res
     return results
 
 
-def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list[dict]:
+def _run_alone(prog, env: Env):
+    try:
+        return prog.run([env])[0]
+    except Exception as e:
+        return unexpected("the epilogue", e)
+
+
+def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list:
+    """`_readback` for every loop at once, else (one loop's values cannot be read) loop by loop:
+    per loop its values, or the PieError that ends that loop alone. Reading changes nothing."""
+    try:
+        return _readback(loops, passes, results)
+    except Exception as e:
+        if len(loops) == 1:
+            return [unexpected("reading back the loop's round", e)]
+    out = []
+    for one in zip(loops, passes, results):
+        try:
+            out += _readback(*([x] for x in one))
+        except Exception as e:
+            out.append(unexpected("reading back the loop's round", e))
+    return out
+
+
+def _readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list[dict]:
     """The one host transfer per batch: the folds, stops and channel lengths that the epilogues left
     on the device, window tokens, and the new cells of channels that stream to the client (a
     channel with a `sink`). Values the host already knows (a constant fold, the length after a

@@ -11,6 +11,16 @@ import heapq
 from ..errors import PoolExhausted
 
 
+class Quota:
+    """A share of the pool: the working sets that carry it (one instance's) may hold at most
+    `limit` pages at once, so one instance cannot starve the others. A page counts against
+    the quota of the set that allocated it until it is freed; sharing it (a fork) is free."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+
 class PagePool:
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1 or page_size < 1:
@@ -18,6 +28,7 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self._refs = [0] * num_pages
+        self._quota: list[Quota | None] = [None] * num_pages  # whose quota each page counts against
         # a heap: the lowest free ids go out first, so a sequence's pages tend to be one run of
         # slots, which attention reads as a view instead of a gather
         self._free = list(range(num_pages))
@@ -30,7 +41,16 @@ class PagePool:
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
-    def alloc(self, n: int) -> list[int]:
+    def quota(self, share: float) -> Quota:
+        """A quota of `share` of the pool's pages (at least one)."""
+        return Quota(max(1, int(self.num_pages * share)))
+
+    def alloc(self, n: int, quota: Quota | None = None) -> list[int]:
+        if quota is not None and quota.used + n > quota.limit:
+            raise PoolExhausted(
+                f"KV page quota exhausted: need {n} more pages of {self.page_size} rows, {quota.used} of this "
+                f"instance's quota of {quota.limit} pages (of {self.num_pages} in the pool) are in use; release "
+                f"working sets or raise the quota (--kv-share)")
         if n > len(self._free):
             raise PoolExhausted(
                 f"KV pool exhausted: need {n} more pages of {self.page_size} rows, {len(self._free)} free "
@@ -39,6 +59,9 @@ class PagePool:
         pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
+            self._quota[p] = quota
+        if quota is not None:
+            quota.used += n
         return pages
 
     def retain(self, pages: list[int]) -> None:
@@ -50,6 +73,9 @@ class PagePool:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 heapq.heappush(self._free, p)
+                q, self._quota[p] = self._quota[p], None
+                if q is not None:
+                    q.used -= 1
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

@@ -11,12 +11,13 @@ others shared its batch.
 
 from __future__ import annotations
 
+import numbers
 import threading
 
 import torch
 from concurrent.futures import Future
 
-from ..errors import InvalidArgument, PieError
+from ..errors import InvalidArgument, PieError, detached, unexpected
 from .compute import compute
 from .engine import Engine, Pass
 from .loop import DeviceLoop, readback, run_epilogues
@@ -88,6 +89,7 @@ class Scheduler:
             try:
                 self._step(work, loops)
             except Exception as e:  # an engine bug must not hang every inferlet
+                detached(e)
                 for _, fut in work:
                     if not fut.done():
                         fut.set_exception(e)
@@ -113,8 +115,8 @@ class Scheduler:
                     lp.finish()
                     continue
                 ps = lp.next_pass()
-            except PieError as e:
-                lp.finish(e)
+            except Exception as e:
+                lp.finish(unexpected("the loop's window", e))
                 continue
             if ps is None:  # the epilogue left no window: nothing more to run
                 lp.finish()
@@ -145,50 +147,58 @@ class Scheduler:
                 self._postprocess_loops(ran)
 
     def _postprocess_loops(self, ran: list) -> None:
-        eng = self.engine
+        """Epilogues, readback and bookkeeping of the loops that ran: a failure in any of them
+        ends its own loop only (one instance's program must not stop another's)."""
         loops = [r[0] for r in ran]
-        passes = [r[1] for r in ran]
         locks = loops[0].locks() if len(loops) == 1 else \
             [lk for _, lk in sorted({id(lk): lk for lp in loops for lk in lp.locks()}.items())]
         for lk in locks:
             lk.acquire()
         try:
-            try:
-                results = run_epilogues(loops, passes, [r[3] for r in ran], eng.device, eng.device_type)
-                backs = readback(loops, passes, results)
-            except PieError as e:
-                for lp in loops:
-                    lp.finish(e)
-                return
-            for (lp, ps, first, _), back in zip(ran, backs):
-                fold = back["fold"]
-                if not 0 <= fold <= ps.window:
-                    lp.finish(InvalidArgument(f"the epilogue set fold {fold}, outside 0..{ps.window} (the window)"))
+            results = run_epilogues(loops, [r[1] for r in ran], [r[3] for r in ran], self.engine.device,
+                                    self.engine.device_type)
+            alive = []
+            for r, res in zip(ran, results):
+                if isinstance(res, PieError):
+                    r[0].finish(res)
+                else:
+                    alive.append((r, res))
+            backs = readback([r[0] for r, _ in alive], [r[1] for r, _ in alive], [res for _, res in alive])
+            for ((lp, ps, first, _), _), back in zip(alive, backs):
+                if isinstance(back, PieError):
+                    lp.finish(back)
                     continue
-                if not isinstance(ps.tokens, list):  # device ids, clamped for the pass (Engine._build)
-                    try:
-                        eng.check_ids(back["tokens"])
-                    except InvalidArgument as e:  # nothing of the round is committed
-                        lp.finish(e)
-                        continue
-                eng.commit(ps, first, fold, back["tokens"])
-                streamed = back["streamed"]
-                for name, n in back["lengths"].items():
-                    ch = lp.channels[name]
-                    if name in streamed:
-                        ch.count = 0  # the sink consumes the cells
-                        ch.sink(streamed[name])
-                    else:
-                        # only a `take` on an empty channel waits: wake it when cells arrive, not every round
-                        if n and not ch.count:
-                            ch.lock.notify_all()
-                        ch.count = n
-                lp.stats.record(lp.drafts(ps.window), fold)
-                lp.round += 1
-                if lp.on_round is not None:
-                    lp.on_round(lp, ps.window, fold)
-                if back["stop"] or lp.round >= lp.rounds:
-                    lp.finish()  # the producers detach: waiting takes wake up
+                try:
+                    self._commit_round(lp, ps, first, back)
+                except Exception as e:
+                    lp.finish(unexpected("the loop's round", e))
         finally:
             for lk in reversed(locks):
                 lk.release()
+
+    def _commit_round(self, lp: DeviceLoop, ps: Pass, first: int, back: dict) -> None:
+        eng = self.engine
+        fold = back["fold"]
+        if isinstance(fold, bool) or not isinstance(fold, numbers.Integral) or not 0 <= fold <= ps.window:
+            raise InvalidArgument(f"the epilogue set fold {fold!r}, not an integer in 0..{ps.window} (the window)")
+        fold = int(fold)
+        if not isinstance(ps.tokens, list):  # device ids, clamped for the pass (Engine._build)
+            eng.check_ids(back["tokens"])  # nothing of the round is committed
+        eng.commit(ps, first, fold, back["tokens"])
+        streamed = back["streamed"]
+        for name, n in back["lengths"].items():
+            ch = lp.channels[name]
+            if name in streamed:
+                ch.count = 0  # the sink consumes the cells
+                ch.sink(streamed[name])
+            else:
+                # only a `take` on an empty channel waits: wake it when cells arrive, not every round
+                if n and not ch.count:
+                    ch.lock.notify_all()
+                ch.count = n
+        lp.stats.record(lp.drafts(ps.window), fold)
+        lp.round += 1
+        if lp.on_round is not None:
+            lp.on_round(lp, ps.window, fold)
+        if back["stop"] or lp.round >= lp.rounds:
+            lp.finish()  # the producers detach: waiting takes wake up

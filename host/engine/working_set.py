@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import BadHandle, InvalidArgument
-from .pages import PagePool
+from .pages import PagePool, Quota
 
 
 @dataclass
@@ -22,6 +22,7 @@ class WorkingSet:
     positions: list[int] = field(default_factory=list)  # position id of each frozen row
     scratch: list[int] = field(default_factory=list)  # tokens of the rows the last pass wrote past frozen
     released: bool = False
+    quota: Quota | None = None  # the owning instance's share of the pool; its forks carry it too
 
     @property
     def frozen(self) -> int:
@@ -58,7 +59,7 @@ class WorkingSet:
             return []
         # Only a page holding frozen rows needs its contents copied; a shared page past the
         # frozen end can only come from a fork, which never shares scratch pages.
-        new = self.pool.alloc(max(0, need - len(self.pages)) + len(shared))
+        new = self.pool.alloc(max(0, need - len(self.pages)) + len(shared), self.quota)
         copies = []
         for i in shared:
             dst = new.pop()
@@ -85,7 +86,7 @@ class WorkingSet:
     def fork(self, new_id: int) -> "WorkingSet":
         keep = self.pages[: self._pages_for(self.frozen)]
         self.pool.retain(keep)
-        return WorkingSet(new_id, self.pool, list(keep), list(self.tokens), list(self.positions))
+        return WorkingSet(new_id, self.pool, list(keep), list(self.tokens), list(self.positions), quota=self.quota)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.frozen:
@@ -107,7 +108,7 @@ class WorkingSet:
         p = self.pool.page_size
         first = start // p
         moved = list(range(first * p, start)) + list(range(end, self.frozen))
-        new_pages = self.pool.alloc(self._pages_for(len(moved)))
+        new_pages = self.pool.alloc(self._pages_for(len(moved)), self.quota)
         copies = [(self.slot(r), new_pages[i // p] * p + i % p) for i, r in enumerate(moved)]
         self.pool.release(self.pages[first:])
         self.pages[first:] = new_pages

@@ -2,9 +2,14 @@
 
 Handles are integers into this instance's table; they are never reused, so a released
 handle answers `bad-handle`. Host functions return WIT result errors for PieErrors. Any
-other exception is a host bug: it is kept in `fatal` and re-raised as a WasmtimeError, which
-traps only this instance (raising a plain Python exception would go through wasmtime-py's
+other exception is a host bug: it is described in `fatal` and re-raised as a WasmtimeError,
+which traps only this instance (raising a plain Python exception would go through wasmtime-py's
 module-global LAST_EXCEPTION and could surface in another instance).
+
+wasmtime-py keeps every host function in a module-global table until the store that uses
+it is dropped, so nothing the functions reach may reach the store: they reach the instance
+through a `_Link` that `release_all` cuts, and kept errors carry no traceback (whose frames
+would hold the store).
 """
 
 from __future__ import annotations
@@ -22,13 +27,22 @@ from wasmtime.component import Linker, Record, Variant
 from ..engine import Engine, Pass, WorkingSet
 from ..engine.compute import compute
 from ..engine.loop import DeviceLoop, LoopStats
-from ..errors import InvalidArgument, BadHandle, PieError
+from ..engine.pages import Quota
+from ..errors import InvalidArgument, BadHandle, Internal, PieError, detached
 from .channels import Channel
 from .detok import Detokenizer
 from .errors import ChannelClosed, Unsupported
+from .imports import PACKAGE as WIT_PACKAGE, VERSION, declared
 from .sampling import Sampler, argmax
 
-PACKAGE = "pie:inferlet/{}@0.1.0"
+PACKAGE = f"{WIT_PACKAGE}/{{}}@{VERSION}"
+_RESULTS = {f"{i}.{n}": r for i, funcs in declared().items() for n, (_, r) in funcs.items()}
+# host functions whose WIT type has no result<_, error>: a PieError there ends the instance
+NO_ERROR_RESULT = {n for n, r in _RESULTS.items() if r is None or r[0] != "result"}
+# results whose ok and err payloads are both records: wasmtime-py lowers them to one Python
+# class, so it needs an explicit Variant('ok'|'err', ...)
+TAGGED = {n for n, r in _RESULTS.items() if r and r[0] == "result" and all(isinstance(x, tuple) and x[0] == "record"
+                                                                             for x in r[1:])}
 WIT_ERROR_CODES = {"invalid-argument", "bad-handle", "out-of-pages", "context-overflow", "channel-full",
                    "channel-closed", "unsupported", "internal"}
 
@@ -45,21 +59,73 @@ def error_record(e: PieError) -> Record:
     return _record(code=code, message=str(e))
 
 
+# Argument checks. wasmtime-py lowers arguments by the types the component declared, which
+# it does not compare with ours: a host function sees whatever Python values they give.
+def _int(v, what: str, bits: int) -> int:
+    if type(v) is not int or not 0 <= v < 1 << bits:
+        raise InvalidArgument(f"{what} must be a u{bits}, not {_show(v)}")
+    return v
+
+
+def _u32(v, what: str) -> int:
+    return _int(v, what, 32)
+
+
+def _u64(v, what: str) -> int:
+    return _int(v, what, 64)
+
+
+def _str(v, what: str) -> str:
+    if type(v) is not str:
+        raise InvalidArgument(f"{what} must be a string, not {_show(v)}")
+    return v
+
+
+def _list(v, what: str, check: Callable) -> list:
+    if type(v) is not list:
+        raise InvalidArgument(f"{what} must be a list, not {_show(v)}")
+    for x in v:
+        check(x, f"an element of {what}")
+    return v
+
+
+def _field(rec, name: str, what: str):
+    if not isinstance(rec, Record) or not hasattr(rec, name):
+        raise InvalidArgument(f"{what} must be a record with field {name!r}, not {_show(rec)}")
+    return getattr(rec, name)
+
+
+def _case(v, what: str, cases: tuple) -> Variant:
+    if not isinstance(v, Variant) or v.tag not in cases:
+        raise InvalidArgument(f"{what} must be one of the cases {', '.join(cases)}, not {_show(v)}")
+    return v
+
+
+def _show(v) -> str:
+    return f"{type(v).__name__} {v!r}"[:80]
+
+
+# a channel's element type -> the Python type of its cells, as wasmtime-py lifts them
+CELL_TYPES = {"uint32": int, "int32": int, "float32": float, "boolean": bool}
+
+
 class InstanceHost:
     """The host side of one running inferlet: its handle table, output and counters."""
 
     def __init__(self, engine: Engine, scheduler, args: list[str], cpu_time_s: float, epoch_tick_s: float,
-                 on_text: Callable[[str], None] | None = None):
+                 on_text: Callable[[str], None] | None = None, kv_quota: Quota | None = None):
         self.engine = engine
         self.scheduler = scheduler
         self.args = list(args)
         self.on_text = on_text
+        self.kv_quota = kv_quota  # the pages this instance's working sets may hold; None: the whole pool
         self.cpu_time_s = cpu_time_s
         self.epoch_tick_s = epoch_tick_s
         self.handles: dict[int, object] = {}
         self._next_handle = 1
-        self.fatal: BaseException | None = None
+        self.fatal: str | None = None  # why the host ended the instance: "code: message"
         self.fatal_trace = ""
+        self._link = _Link()
         # output
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -82,28 +148,29 @@ class InstanceHost:
         return h
 
     def _get(self, h: int, kind: type, what: str):
-        obj = self.handles.get(h)
+        obj = self.handles.get(h) if type(h) is int else None
         if not isinstance(obj, kind):
             raise BadHandle(f"{what} handle {h} is unknown or was released")
         return obj
 
     def release_all(self) -> None:
-        """Free everything the instance still holds: loops, KV pages, channel buffers, samplers."""
+        """Free everything the instance still holds: loops, KV pages, channel buffers, samplers,
+        and the host functions' way to it (see `_Link`)."""
+        self._link.fns.clear()
         self.stop_loops()
         for obj in self.handles.values():
             if isinstance(obj, WorkingSet):
                 self.engine.release(obj)
             elif isinstance(obj, Channel):
                 obj.close()
+                obj.sink = None
         self.handles.clear()
+        self.loops.clear()
 
     # ---- the call wrapper ----------------------------------------------------------------
-    def _host(self, fn: Callable, tagged: bool = False) -> Callable:
-        """Wrap `fn` as a host function: count the call, map errors, keep the CPU-time budget.
-
-        tagged: the WIT result's ok and err payloads lower to the same Python class (both
-        records), so wasmtime-py needs an explicit Variant('ok'|'err', ...).
-        """
+    def _host(self, name: str, fn: Callable, tagged: bool = False) -> Callable:
+        """Wrap `fn` as the host function `name`: count the call, map errors, keep the CPU-time budget.
+        tagged: see TAGGED."""
         tick = self.epoch_tick_s
 
         def host(store, *args):
@@ -114,56 +181,76 @@ class InstanceHost:
                 value = fn(*args)
                 return Variant("ok", value) if tagged else value
             except PieError as e:
-                return Variant("err", error_record(e)) if tagged else error_record(e)
+                rec = error_record(e)
+                detached(e)  # it may be kept (a loop's error): its frames hold the store
+                if tagged:
+                    return Variant("err", rec)
+                if name in NO_ERROR_RESULT:  # the WIT gives it no error to report: the instance ends
+                    self.fatal = f"{e.code}: {name}: {e}"
+                    raise wasmtime.WasmtimeError(self.fatal) from None
+                return rec
             except Exception as e:  # a host bug: end this instance only
-                self.fatal = e
+                self.fatal = f"{Internal.code}: host function {name!r} failed: {type(e).__name__}: {e}"
                 self.fatal_trace = traceback.format_exc()
-                raise wasmtime.WasmtimeError(f"host error: {type(e).__name__}: {e}") from None
+                raise wasmtime.WasmtimeError(self.fatal) from None
             finally:
                 self._last_exit = time.perf_counter()
                 # the CPU-time budget counts guest execution only, not time blocked in the host
                 left = self.cpu_time_s - self.guest_time_s
                 ffi.wasmtime_context_set_epoch_deadline(store._context(), max(0, math.ceil(left / tick)))
 
-        return host
+        return self._link.add(name, host)
 
     def link(self, linker: Linker) -> None:
-        h = self._host
         with linker.root() as root:
-            with root.add_instance(PACKAGE.format("runtime")) as i:
-                i.add_func("get-arguments", h(lambda: list(self.args)))
-                i.add_func("get-model-info", h(self.model_info))
-                i.add_func("send", h(self.send))
-                i.add_func("emit", h(self.emit))
-                i.add_func("emit-channel", h(self.emit_channel))
-            with root.add_instance(PACKAGE.format("tokenizer")) as i:
-                i.add_func("encode", h(self.encode))
-                i.add_func("decode", h(self.decode))
-                i.add_func("apply-chat-template", h(self.apply_chat_template))
-            with root.add_instance(PACKAGE.format("working-sets")) as i:
-                i.add_func("create", h(lambda: self._add(self.engine.new_working_set())))
-                i.add_func("frozen-length", h(lambda ws: self._ws(ws).frozen))
-                i.add_func("tokens", h(lambda ws: list(self._ws(ws).tokens)))
-                i.add_func("fork", h(lambda ws: self._add(self.engine.fork(self._ws(ws)))))
-                i.add_func("truncate", h(lambda ws, n: self.engine.truncate(self._ws(ws), n)))
-                i.add_func("evict", h(lambda ws, s, e: self.engine.evict(self._ws(ws), s, e)))
-                i.add_func("commit", h(self.commit))
-                i.add_func("release", h(self.release_ws))
-            with root.add_instance(PACKAGE.format("channels")) as i:
-                i.add_func("create", h(lambda el, cap: self._add(Channel(el, cap, self.engine.device))))
-                i.add_func("put", h(lambda ch, cells: self._put(ch, cells)))
-                i.add_func("read", h(lambda ch, s, n: self._cells(self._ch(ch), self._ch(ch).read(s, n))))
-                i.add_func("take", h(lambda ch: self._cells(self._ch(ch), self._ch(ch).take())))
-                i.add_func("len", h(lambda ch: len(self._ch(ch))))
-                i.add_func("close", h(lambda ch: self._ch(ch).close()))
-                i.add_func("release", h(self.release_channel))
-            with root.add_instance(PACKAGE.format("forward")) as i:
-                i.add_func("create-sampler", h(lambda t, p, seed: self._add(Sampler(t, p, seed))))
-                i.add_func("release-sampler", h(self.release_sampler))
-                i.add_func("execute", h(self.execute, tagged=True))
-                i.add_func("register-epilogue", h(self.register_epilogue))
-                i.add_func("release-epilogue", h(self.release_epilogue))
-                i.add_func("run-loop", h(self.run_loop))
+            for iface, funcs in self.functions().items():
+                with root.add_instance(PACKAGE.format(iface)) as i:
+                    for name, fn in funcs.items():
+                        i.add_func(name, self._host(f"{iface}.{name}", fn, tagged=f"{iface}.{name}" in TAGGED))
+
+    def functions(self) -> dict[str, dict[str, Callable]]:
+        """The WIT imports this host implements, by interface and name."""
+        return {
+            "runtime": {
+                "get-arguments": lambda: list(self.args),
+                "get-model-info": self.model_info,
+                "send": self.send,
+                "emit": self.emit,
+                "emit-channel": self.emit_channel,
+            },
+            "tokenizer": {
+                "encode": self.encode,
+                "decode": self.decode,
+                "apply-chat-template": self.apply_chat_template,
+            },
+            "working-sets": {
+                "create": lambda: self._add(self.engine.new_working_set(self.kv_quota)),
+                "frozen-length": lambda ws: self._ws(ws).frozen,
+                "tokens": lambda ws: list(self._ws(ws).tokens),
+                "fork": lambda ws: self._add(self.engine.fork(self._ws(ws))),
+                "truncate": lambda ws, n: self.engine.truncate(self._ws(ws), _u32(n, "length")),
+                "evict": lambda ws, s, e: self.engine.evict(self._ws(ws), _u32(s, "start"), _u32(e, "end")),
+                "commit": self.commit,
+                "release": self.release_ws,
+            },
+            "channels": {
+                "create": self.create_channel,
+                "put": self._put,
+                "read": lambda ch, s, n: self._cells(self._ch(ch), self._ch(ch).read(_u32(s, "start"), _u32(n, "count"))),
+                "take": lambda ch: self._cells(self._ch(ch), self._ch(ch).take()),
+                "len": lambda ch: len(self._ch(ch)),
+                "close": lambda ch: self._ch(ch).close(),
+                "release": self.release_channel,
+            },
+            "forward": {
+                "create-sampler": self.create_sampler,
+                "release-sampler": self.release_sampler,
+                "execute": self.execute,
+                "register-epilogue": self.register_epilogue,
+                "release-epilogue": self.release_epilogue,
+                "run-loop": self.run_loop,
+            },
+        }
 
     # ---- runtime -----------------------------------------------------------------------
     def model_info(self) -> Record:
@@ -178,6 +265,7 @@ class InstanceHost:
                 self.on_text(text)
 
     def send(self, text: str) -> None:
+        _str(text, "text")
         with self._out_lock:
             self._release_held()  # text keeps its place among the emitted tokens
             self._stream(text)
@@ -198,7 +286,7 @@ class InstanceHost:
             self._stream(self._detok.push(held))
 
     def emit(self, tokens: list[int]) -> None:
-        self.engine.check_ids(tokens)
+        self.engine.check_ids(_list(tokens, "tokens", _u32))
         with self._out_lock:
             self._emit_ids(tokens)
 
@@ -208,6 +296,7 @@ class InstanceHost:
             raise InvalidArgument(f"only a u32 or i32 channel holds token ids, not {ch.element}")
 
         def sink(cells: list[int]) -> None:  # called by the compute thread after each round
+            self.engine.check_ids(cells)  # the epilogue wrote them: a bad id ends the loop, unrecorded
             with self._out_lock:
                 self._emit_ids(cells)
         ch.sink = sink
@@ -225,17 +314,22 @@ class InstanceHost:
 
     # ---- tokenizer ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
+        _str(text, "text")
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, tokens: list[int]) -> str:
-        self.engine.check_ids(tokens)
+        self.engine.check_ids(_list(tokens, "tokens", _u32))
         return self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool) -> str:
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise Unsupported(f"model {self.engine.info.name} has no chat template")
-        msgs = [{"role": getattr(m, "role"), "content": getattr(m, "content")} for m in messages]
+        if type(add_generation_prompt) is not bool:
+            raise InvalidArgument(f"add-generation-prompt must be a bool, not {_show(add_generation_prompt)}")
+        msgs = [{"role": _str(_field(m, "role", "a message"), "a message's role"),
+                 "content": _str(_field(m, "content", "a message"), "a message's content")}
+                for m in _list(messages, "messages", lambda m, what: m)]
         try:
             return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raises its own exceptions for messages it rejects
@@ -252,11 +346,20 @@ class InstanceHost:
     def _ch(self, h: int) -> Channel:
         return self._get(h, Channel, "channel")
 
+    def create_channel(self, element: str, capacity: int) -> int:
+        return self._add(Channel(_str(element, "element"), _u32(capacity, "capacity"), self.engine.device))
+
     def _put(self, h: int, cells: Variant) -> None:
         ch = self._ch(h)
+        _case(cells, "cells", tuple(CELL_TYPES))
         if cells.tag != ch.element:
             raise InvalidArgument(f"cells of type {cells.tag} put into a {ch.element} channel")
-        ch.put(cells.payload)
+        cell = CELL_TYPES[ch.element]
+
+        def check(v, what):
+            if type(v) is not cell:
+                raise InvalidArgument(f"{what} must be a {cell.__name__}, not {_show(v)}")
+        ch.put(_list(cells.payload, "cells", check))
 
     @staticmethod
     def _cells(ch: Channel, values: list) -> Variant:
@@ -266,6 +369,12 @@ class InstanceHost:
         self._ch(h).close()
         del self.handles[h]
 
+    def create_sampler(self, temperature: float, top_p: float, seed: int) -> int:
+        for v, what in ((temperature, "temperature"), (top_p, "top-p")):
+            if type(v) is not float:
+                raise InvalidArgument(f"{what} must be an f32, not {_show(v)}")
+        return self._add(Sampler(temperature, top_p, _u64(seed, "seed")))
+
     def release_sampler(self, h: int) -> None:
         self._get(h, Sampler, "sampler")
         del self.handles[h]
@@ -273,15 +382,17 @@ class InstanceHost:
     # ---- forward passes ------------------------------------------------------------------
     def _pass(self, p: Record, rounds: int | None) -> tuple[Pass | DeviceLoop, Variant]:
         """A plain Pass, or a DeviceLoop when the pass reads a channel or names an epilogue."""
-        ws = self._ws(getattr(p, "ws"))
-        embed = getattr(p, "embed")
-        geometry = getattr(p, "geometry")
-        readout = getattr(p, "readout")
-        call = getattr(p, "epilogue")
-        fold = getattr(geometry, "fold")
-        kind = getattr(readout, "kind")
-        window = getattr(geometry, "window")
-        rows = list(getattr(readout, "rows"))
+        ws = self._ws(_field(p, "ws", "the pass"))
+        embed = _field(p, "embed", "the pass")
+        geometry = _field(p, "geometry", "the pass")
+        readout = _field(p, "readout", "the pass")
+        call = _field(p, "epilogue", "the pass")
+        fold = _case(_field(geometry, "fold", "geometry"), "fold", ("all", "constant", "from-channel", "from-epilogue"))
+        kind = _case(_field(readout, "kind", "readout"), "readout kind", ("none", "argmax", "sample", "logits"))
+        window = _u32(_field(geometry, "window", "geometry"), "geometry window")
+        rows = list(_list(_field(readout, "rows", "readout"), "readout rows", _u32))
+        if fold.tag == "constant":
+            _u32(fold.payload, "fold constant")
         if kind.tag == "sample":
             self._get(kind.payload, Sampler, "sampler")
         if fold.tag == "from-epilogue" and call is None:
@@ -289,6 +400,7 @@ class InstanceHost:
         # embed's cases lower to different classes (list / int), so wasmtime-py gives the payload
         from_channel = not isinstance(embed, list)
         if not from_channel:
+            _list(embed, "embed tokens", _u32)
             if window != len(embed):
                 raise InvalidArgument(f"geometry window {window} differs from the {len(embed)} embedded tokens")
             self.engine.check_ids(embed)
@@ -312,11 +424,13 @@ class InstanceHost:
             src.put(embed)
         program, channels, seed = None, {}, 0
         if call is not None:
-            program, channels = self._get(getattr(call, "program"), _Registered, "epilogue").bound()
-            seed = getattr(call, "seed")
+            program, channels = self._get(_field(call, "program", "epilogue call"), _Registered, "epilogue").bound()
+            seed = _u64(_field(call, "seed", "epilogue call"), "seed")
         fold_channel = None
         if fold.tag == "from-channel":
             fold_channel = self._ch(fold.payload)
+            if fold_channel.element not in ("uint32", "int32"):
+                raise InvalidArgument(f"a fold is read from a u32 or i32 channel, not {fold_channel.element}")
         elif fold.tag == "constant" and fold.payload > window:
             raise InvalidArgument(f"fold {fold.payload} is outside 0..{window} (the window length)")
         elif fold.tag == "from-epilogue" and not program.has_fold:
@@ -353,7 +467,7 @@ class InstanceHost:
         return _record(tokens=tokens, logits=logits, frozen=ps.ws.frozen)
 
     def commit(self, h: int, rows: int) -> None:
-        self.engine.freeze_scratch(self._ws(h), rows)
+        self.engine.freeze_scratch(self._ws(h), _u32(rows, "rows"))
         self.draft_stats.accepted_rows(rows)
 
     def _start(self, loop: DeviceLoop) -> None:
@@ -377,13 +491,13 @@ class InstanceHost:
         from ..epilogue import compile_program
 
         chans = {}
-        for b in bindings:
-            name = getattr(b, "name")
+        for b in _list(bindings, "channels", lambda b, what: b):
+            name = _str(_field(b, "name", "a channel binding"), "a channel binding's name")
             if name in chans:
                 raise InvalidArgument(f"channel {name!r} is bound twice")
-            chans[name] = getattr(b, "channel")
+            chans[name] = _field(b, "channel", "a channel binding")
             self._ch(chans[name])
-        prog = compile_program(program)
+        prog = compile_program(_str(program, "program"))
         for name, spec in prog.checked.channels.items():
             if name not in chans:
                 raise InvalidArgument(f"the epilogue declares channel {name!r}, but no channel is bound to it")
@@ -402,7 +516,7 @@ class InstanceHost:
         del self.handles[h]
 
     def run_loop(self, p: Record, rounds: int) -> None:
-        if rounds < 1:
+        if _u32(rounds, "rounds") < 1:
             raise InvalidArgument("run-loop needs at least one round")
         loop, _ = self._pass(p, rounds)
         self._start(loop)
@@ -411,6 +525,25 @@ class InstanceHost:
         """End this instance's loops (the instance is finishing); the scheduler drops them."""
         for loop in self.loops:
             loop.finish(ChannelClosed("the inferlet ended while its loop was running"))
+
+
+class _Link:
+    """The instance as wasmtime-py's global function table sees it: its host functions by
+    name, looked up per call, and cleared when the instance ends."""
+
+    def __init__(self):
+        self.fns: dict[str, Callable] = {}
+
+    def add(self, name: str, fn: Callable) -> Callable:
+        fns = self.fns
+        fns[name] = fn
+
+        def call(store, *args):
+            f = fns.get(name)
+            if f is None:
+                raise wasmtime.WasmtimeError(f"{name}: the instance has ended")
+            return f(store, *args)
+        return call
 
 
 class _Registered:

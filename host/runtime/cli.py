@@ -36,6 +36,7 @@ def _add_options(p) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object with text, token_ids and stats")
     p.add_argument("--memory-mb", type=int, default=512, help="guest linear-memory limit (MiB)")
     p.add_argument("--cpu-time", type=float, default=60.0, help="guest CPU-time limit (seconds)")
+    p.add_argument("--kv-share", type=float, default=0.5, help="most of the KV page pool one inferlet may hold (0..1]")
 
 
 def add_run_parser(subparsers) -> None:
@@ -72,7 +73,9 @@ def cmd_run(args) -> int:
     wasm = resolve_inferlet(args.inferlet)
     inferlet_args = _split_rest(args)
     engine = open_engine(args.model, device=args.device, dtype=args.dtype)
-    limits = Limits(memory_bytes=args.memory_mb << 20, cpu_time_s=args.cpu_time)
+    if not 0 < args.kv_share <= 1:
+        raise InvalidArgument(f"--kv-share {args.kv_share} must be in (0, 1]")
+    limits = Limits(memory_bytes=args.memory_mb << 20, cpu_time_s=args.cpu_time, kv_share=args.kv_share)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with Runtime(engine, limits=limits) as rt:
         result = rt.run(wasm, inferlet_args, name=wasm.stem, on_text=on_text)

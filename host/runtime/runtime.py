@@ -22,6 +22,7 @@ from wasmtime.component import Linker
 from ..engine import Engine
 from ..engine.scheduler import Scheduler
 from ..errors import PieError
+from . import imports
 from .bindings import InstanceHost
 from .cache import ComponentCache
 from .errors import InferletError
@@ -31,6 +32,7 @@ from .errors import InferletError
 class Limits:
     memory_bytes: int = 512 << 20  # linear memory of the whole store; componentize-py's CPython needs ~40 MiB
     cpu_time_s: float = 60.0  # guest execution time, not counting time blocked in host calls
+    kv_share: float = 0.5  # the most of the KV page pool one instance's working sets may hold
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Runtime:
         self.wasm_engine = wasmtime.Engine(cfg)
         self.cache = ComponentCache(self.wasm_engine, Path(cache_dir) if cache_dir else None)
         self._cache_lock = threading.Lock()
+        self._checked: set[str] = set()  # components whose imports match wit/inferlet.wit
         self._own_scheduler = scheduler is None
         self.scheduler = scheduler or Scheduler(engine)
         self.epoch_tick_s = epoch_tick_s
@@ -108,7 +111,11 @@ class Runtime:
             except OSError as e:
                 raise InferletError(f"cannot read {wasm}: {e.strerror}") from None
         with self._cache_lock:
-            return self.cache.load(bytes(wasm))[0]
+            component, key = self.cache.load(bytes(wasm))
+            if key not in self._checked:  # refused before it runs, naming the function
+                imports.check(component, self.wasm_engine)
+                self._checked.add(key)
+            return component
 
     # ---- running ----------------------------------------------------------------------
     def start(self, wasm: bytes | str | Path, args: list[str] = (), *, name: str | None = None,
@@ -116,11 +123,16 @@ class Runtime:
         """Run an inferlet in its own thread; load errors also arrive as a failed RunResult."""
         name = name or (Path(wasm).stem if isinstance(wasm, (str, Path)) else "inferlet")
         limits = limits or self.limits
-        host = InstanceHost(self.engine, self.scheduler, list(args), limits.cpu_time_s, self.epoch_tick_s, on_text)
+        host = InstanceHost(self.engine, self.scheduler, list(args), limits.cpu_time_s, self.epoch_tick_s, on_text,
+                            kv_quota=self.engine.pool.quota(limits.kv_share))
         handle = RunHandle()
 
         def target() -> None:
-            handle._result = self._run(wasm, name, host, limits)
+            try:
+                handle._result = self._run(wasm, name, host, limits)
+            except Exception as e:  # a host bug: this run fails, the caller is not left waiting
+                handle._result = RunResult(name, self.engine.info.name, False,
+                                           f"internal error: {type(e).__name__}: {e}", "", [], {})
 
         handle.thread = threading.Thread(target=target, name=f"inferlet-{name}", daemon=True)
         handle.thread.start()
@@ -149,10 +161,15 @@ class Runtime:
             finally:
                 host.release_all()
             log = log_path.read_text("utf-8", "replace")
-        host.finish_output()
+        try:
+            host.finish_output()
+            text = host.text
+        except Exception as e:  # a failure here is this run's, never the process's
+            error = error or f"internal error: finishing the output: {type(e).__name__}: {e}"
+            text = ""
         wall = time.perf_counter() - t0
         return RunResult(
-            inferlet=name, model=self.engine.info.name, ok=error is None, error=error, text=host.text,
+            inferlet=name, model=self.engine.info.name, ok=error is None, error=error, text=text,
             token_ids=list(host.token_ids), stats=self._stats(host, wall), log=log)
 
     def _instantiate_and_run(self, component, host: InstanceHost, limits: Limits, log_path: Path) -> None:
@@ -187,7 +204,7 @@ class Runtime:
     def _explain_trap(self, e: wasmtime.WasmtimeError, host: InstanceHost, limits: Limits, guest_log: str) -> str:
         text = str(e)
         if host.fatal is not None:
-            return f"host error while serving the inferlet: {type(host.fatal).__name__}: {host.fatal}"
+            return host.fatal
         if "interrupt" in text:
             return f"the inferlet exceeded its CPU-time limit of {limits.cpu_time_s:g} s and was stopped"
         if "MemoryError" in guest_log or "memory" in text.lower() and "out of bounds" not in text:

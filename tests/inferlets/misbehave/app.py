@@ -2,7 +2,9 @@
 
 import wit_world
 from componentize_py_types import Err
-from inferlet import Channel, Epilogue, ForwardPass, Model, PieError, StateGeometry, arguments, send
+from inferlet import (Channel, Epilogue, ForwardPass, Model, PieError, StateGeometry, arguments, emit_channel,
+                      send)
+from inferlet.trace import Program
 from wit_world.imports import working_sets as _ws
 
 
@@ -56,6 +58,25 @@ def run(mode: str) -> None:
                                 '"ops": [{"op": "frobnicate", "args": [0]}]}', {})
     if mode == "epilogue-handle":
         ForwardPass(ws, [1], StateGeometry(1, "epilogue"), epilogue=Epilogue(7)).execute()
+    if mode in ("loop-hidden", "loop-emit-negative"):  # a device loop whose epilogue fails
+        out, window = Channel("u32", 64), Channel("u32", 1)
+        window.put([1])
+        p = Program(readout=1)
+        p.channel("out", "i64", 64)
+        p.channel("window", "i64", 1)
+        tok = p.logits().argmax()
+        p.set("window", tok)
+        if mode == "loop-hidden":  # the pass gives no hidden state
+            p.stop_if(p.hidden()[0, 0] > 1e30)
+        else:  # -1 from the fourth round on, into a channel the host decodes
+            tok = p.where(p.round() < 3, tok, -1)
+        p.put("out", tok)
+        emit_channel(out)
+        ep = model.register_epilogue(p.to_json(), {"out": out, "window": window})
+        ForwardPass(ws, window, StateGeometry(1), readout=[0], epilogue=ep).run_loop(40)
+        while out.take():
+            pass
+        return
     if mode == "channels":
         ch = Channel("u32", 8)
         ch.put([5, 6, 7])
