@@ -1,13 +1,13 @@
-"""Guest SDK modules that also run in plain CPython, and the channel protocol of the device loop.
+"""Guest SDK modules that also run in plain CPython, and channels for device-loop tests.
 
 The SDK package's __init__ imports the component bindings, so its pure-Python modules (the
-epilogue tracer, the speculative-decoding builder) are loaded here by path.
+epilogue tracer, the Cacheback program builder, the references, the rejection rule) are loaded here
+as the package `inferlet` without its __init__.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import threading
+import importlib
 from pathlib import Path
 
 import torch
@@ -15,36 +15,39 @@ import torch
 SDK = Path(__file__).resolve().parents[1] / "inferlets" / "sdk" / "inferlet"
 
 
-def load_sdk(name: str):
-    spec = importlib.util.spec_from_file_location(f"inferlet_{name}_plain", SDK / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _sdk():
+    """The SDK's folder as the package `inferlet`, without running its __init__ (which imports
+    the component's bindings): its modules import each other as they do in the component."""
+    import sys
+    import types
+
+    if "inferlet" not in sys.modules:
+        pkg = types.ModuleType("inferlet")
+        pkg.__path__ = [str(SDK)]
+        sys.modules["inferlet"] = pkg
+    return sys.modules["inferlet"]
 
 
-trace = load_sdk("trace")
-speculative = load_sdk("speculative")
+_sdk()
+trace = importlib.import_module("inferlet.trace")
+cacheback = importlib.import_module("inferlet.cacheback")
+reference = importlib.import_module("inferlet.reference")
+speculative = importlib.import_module("inferlet.speculative")
 
 
-class Chan:
-    """What the device loop needs of a channel (the runtime's channels follow it)."""
+def chan(capacity, values=()):
+    """A runtime channel of int64 cells (u32 storage, as an inferlet's), holding `values`
+    (written past the u32 check: programs' state channels start at -1)."""
+    from host.runtime.channels import Channel
 
-    def __init__(self, capacity, values=()):
-        self.buf = torch.zeros(capacity, dtype=torch.int64)
-        self.count = len(values)
-        self.buf[: self.count] = torch.tensor(list(values), dtype=torch.int64)
-        self.lock = threading.Condition()
+    ch = Channel("uint32", capacity, torch.device("cpu"))
+    ch.buf[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
+    ch.length = len(values)
+    return ch
 
-    @property
-    def length(self):
-        return self.count
 
-    def notify(self):
-        with self.lock:
-            self.lock.notify_all()
-
-    def cells(self):
-        return self.buf[: self.count].tolist()
+def cells(ch) -> list:
+    return ch.read(0, ch.length)
 
 
 def plain_greedy(eng, prompt, n):

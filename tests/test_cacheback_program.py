@@ -17,8 +17,9 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 
-from guest import Chan, plain_greedy, trace
-from guest import speculative as spec
+from guest import cells, chan, plain_greedy, trace
+from guest import cacheback as spec
+from guest import speculative
 
 # every test here runs with both scalar paths of the executor (see conftest.scalar_path)
 pytestmark = pytest.mark.usefixtures("scalar_path")
@@ -35,11 +36,11 @@ def big(tiny):
 
 
 def start(sched, eng, prompt, seed=0, **kw):
-    text, chans = spec.cacheback_program(prompt=prompt, tracer=trace, **kw)
+    text, chans = spec.cacheback_program(prompt=prompt, **kw)
     ws = eng.new_working_set()
     if len(prompt) > 1:
         eng.forward([Pass(ws, prompt[:-1], [0])])
-    channels = {c["name"]: Chan(c["capacity"], c["init"]) for c in chans}
+    channels = {c["name"]: chan(c["capacity"], c["init"]) for c in chans}
     folds = []
     loop = DeviceLoop(ws, compile_program(text), channels, channels["window"],
                       max_window=channels["window"].buf.shape[0], rounds=1000, seed=seed,
@@ -55,7 +56,7 @@ def run(eng, prompt, **kw):
     finally:
         sched.close()
     assert all(0 <= f <= w for w, f in folds)
-    return channels["out"].cells(), stats, folds, loop
+    return cells(channels["out"]), stats, folds, loop
 
 
 def gate_replay(folds, K, probe_after=4, probe_max=32):
@@ -96,7 +97,7 @@ def test_greedy_equals_plain_decoding(big, prompt, repetitive):
     assert stats.accepted <= stats.drafted and all(f <= w for w, f in folds)
     assert loop.ws.frozen == len(prompt) - 1 + len(got)  # the last token is next round's t0, as in plain decoding
     ok, state = gate_replay(folds, K=4)
-    assert ok and loop.channels["spec_state"].cells() == state  # the device rule is the reference's
+    assert ok and cells(loop.channels["spec_state"]) == state  # the device rule is the reference's
     if repetitive:
         assert stats.accepted > 0 and stats.rounds < len(got)
 
@@ -114,10 +115,10 @@ def test_lru_fallback_drafts_what_left_the_lookup_window(big):
     finally:
         sched.close()
     got0, without, _, _ = run(eng, prompt, lru_size=0, **kw)
-    assert chans["out"].cells() == want and got0 == want
+    assert cells(chans["out"]) == want and got0 == want
     assert with_lru.drafted > without.drafted
     # The device table equals a plain-Python replay: each round, the leaders leaving the window.
-    _, init = spec.cacheback_program(prompt=prompt, tracer=trace, lru_size=6, **kw)
+    _, init = spec.cacheback_program(prompt=prompt, lru_size=6, **kw)
     table, stamps = (next(c["init"] for c in init if c["name"] == n) for n in ("lru_table", "lru_stamps"))
     seq, N, Lw, g, K = loop.ws.tokens, len(prompt) - 1, 8, 2, 3
     for _, f in folds:
@@ -125,7 +126,7 @@ def test_lru_fallback_drafts_what_left_the_lookup_window(big):
         part = [seq[i] if i >= 0 else -1 for i in range(N - Lw, N - Lw + span)]
         table, stamps = spec.lru_update(table, stamps, part, span, f, g, K)
         N += f
-    assert chans["lru_table"].cells() == table and chans["lru_stamps"].cells() == stamps
+    assert cells(chans["lru_table"]) == table and cells(chans["lru_stamps"]) == stamps
     assert max(stamps) > 6  # entries were inserted and evicted along the way
 
 
@@ -135,13 +136,13 @@ def test_single_token_prompt_and_bad_arguments(big):
     assert got == plain_greedy(eng, [17], 12)
     for bad in (dict(lookup_window=5), dict(max_tokens=0), dict(ngram_min=3, ngram_max=2), dict(top_p=0.0)):
         with pytest.raises(ValueError):
-            spec.cacheback_program(prompt=[1, 2], tracer=trace, **{"draft_len_max": 3, "lookup_window": 16, **bad})
+            spec.cacheback_program(prompt=[1, 2], **{"draft_len_max": 3, "lookup_window": 16, **bad})
     with pytest.raises(ValueError):
-        spec.cacheback_program(prompt=[], tracer=trace)
+        spec.cacheback_program(prompt=[])
 
 
 def test_channel_specs_and_first_window(big):
-    text, chans = spec.cacheback_program(prompt=REPETITIVE, tracer=trace, draft_len_max=4, lookup_window=10,
+    text, chans = spec.cacheback_program(prompt=REPETITIVE, draft_len_max=4, lookup_window=10,
                                          lru_size=6, lru_ngram=2, max_tokens=50)
     by = {c["name"]: c for c in chans}
     assert set(by) == {"out", "window", "lru_table", "lru_stamps", "spec_state"}
@@ -154,7 +155,7 @@ def test_channel_specs_and_first_window(big):
     assert compile_program(text).checked.alias == {"R": "W"}
     # a history that can never outgrow the lookup window (prompt[:-1] + max_tokens <= 10) needs no table
     for n, has in ((10 - len(REPETITIVE[-6:]) + 1, False), (10 - len(REPETITIVE[-6:]) + 2, True)):
-        text, chans = spec.cacheback_program(prompt=REPETITIVE[-6:], tracer=trace, draft_len_max=4, lookup_window=10,
+        text, chans = spec.cacheback_program(prompt=REPETITIVE[-6:], draft_len_max=4, lookup_window=10,
                                              lru_size=6, max_tokens=n)
         assert ("lru_table" in {c["name"] for c in chans}) == has
         assert ("lru_lookup" in text) == has
@@ -227,7 +228,7 @@ def sample_pairs(eng, verify=None):
         stats = [fut.result(timeout=120) for _, _, _, fut in runs]
     finally:
         sched.close()
-    pairs = [tuple(ch["out"].cells()[:2]) for _, ch, _, _ in runs]
+    pairs = [tuple(cells(ch["out"])[:2]) for _, ch, _, _ in runs]
     for loop, *_ in runs:
         eng.release(loop.ws)
     return pairs, stats
@@ -276,7 +277,7 @@ def test_guest_verify_is_distributed_as_the_target():
     first, second = [0] * V, [0] * V
     for _ in range(trials):
         drafts = [rng.choices(range(V), q)[0] for q in q_rows]
-        toks = spec.verify(drafts, q_rows, p_rows, rng)
+        toks = speculative.verify(drafts, q_rows, p_rows, rng)
         assert 1 <= len(toks) <= k + 1 and toks[:-1] == drafts[:len(toks) - 1]
         first[toks[0]] += 1
         if len(toks) > 1:
@@ -290,7 +291,7 @@ def test_guest_verify_is_distributed_as_the_target():
     # deterministic drafts (q one-hot) and a broken rule that always accepts is caught
     det = [0] * V
     for _ in range(trials):
-        det[spec.verify([4], None, p_rows[:2], rng)[0]] += 1
+        det[speculative.verify([4], None, p_rows[:2], rng)[0]] += 1
     assert det[4] == 0  # p0(4) = 0: never accepted
     assert chisquare([det[i] for i in range(4)], [p_rows[0][i] * trials for i in range(4)]).pvalue > 0.001
     bad = [0] * V

@@ -13,7 +13,7 @@ from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 from host.errors import PieError
 
-from guest import Chan, plain_greedy, trace
+from guest import cells, chan, plain_greedy, trace
 
 PROMPT, ROUNDS = [5, 9, 13, 4], 8
 
@@ -33,10 +33,10 @@ def greedy_program(vocab=None, read_hidden=False) -> str:
     return p.to_json()
 
 
-def greedy_loop(eng, program, prompt=PROMPT, hidden=False, sink=None) -> tuple[DeviceLoop, Chan]:
+def greedy_loop(eng, program, prompt=PROMPT, hidden=False, sink=None) -> tuple[DeviceLoop, object]:
     ws = eng.new_working_set()
     eng.forward([Pass(ws, prompt[:-1], [0])])
-    out, win = Chan(256), Chan(1, [prompt[-1]])
+    out, win = chan(256), chan(1, [prompt[-1]])
     out.sink = sink
     return DeviceLoop(ws, program, {"out": out, "window": win}, win, max_window=1, rounds=ROUNDS, hidden=hidden), out
 
@@ -46,7 +46,7 @@ class FailsFor:
     in `bad`, and runs the real program for the rest: they share it, so they share a run."""
 
     def __init__(self, program, bad: set):
-        self.program, self.bad, self.uses = program, bad, program.uses
+        self.program, self.bad, self.uses, self.has_fold = program, bad, program.uses, program.has_fold
 
     def run(self, envs):
         if any(id(e.channels["out"]) in self.bad for e in envs):
@@ -98,7 +98,7 @@ def test_a_failing_loop_ends_alone_and_the_healthy_one_keeps_its_tokens(tiny, ca
             bad_done.result(timeout=60)
         assert err.value.code in ("invalid-argument", "internal")
         assert good_done.result(timeout=60).rounds == ROUNDS
-        assert out.cells() == want
+        assert cells(out) == want
         assert case != "sink-raises" or bad.round == 2  # it ran beside the healthy loop until it failed
     finally:
         sched.close()
@@ -113,7 +113,7 @@ ENDINGS = [
     ("trap", None, "deliberate guest exception"),  # a trap
     ("alloc", {"memory_bytes": 64 << 20}, "memory limit"),
     ("loop", {"cpu_time_s": 0.05}, "CPU-time limit"),
-    ("loop-hidden", None, "epilogue reads 'hidden'"),  # a device loop's failure, at once
+    ("loop-dims", None, "epilogue declares V=7"),  # a device loop's failure, at once
     ("loop-emit-negative", None, "token id -1 is outside the vocabulary"),  # ... after 3 rounds
     ("bad-imports", None, "imports runtime.send with another type than pie:inferlet@0.1.0 declares: "
                           "func(u32) instead of func(string)"),  # refused at load
@@ -328,3 +328,4 @@ def test_a_fold_from_a_float_channel_is_refused(tiny):
             fn(p, 3)
     finally:
         host.release_all()
+

@@ -10,7 +10,7 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 
-from guest import Chan, plain_greedy, trace
+from guest import cells, chan, plain_greedy, trace
 
 # every test here runs with both scalar paths of the executor (see conftest.scalar_path)
 pytestmark = pytest.mark.usefixtures("scalar_path")
@@ -31,7 +31,7 @@ def greedy_program(limit: int, eos: int) -> str:
 def start_greedy_loop(sched, eng, prompt, limit, rounds=1000):
     ws = eng.new_working_set()
     eng.forward([Pass(ws, prompt[:-1], [0])])
-    out, win = Chan(256), Chan(1, [prompt[-1]])
+    out, win = chan(256), chan(1, [prompt[-1]])
     loop = DeviceLoop(ws, compile_program(greedy_program(limit, eos=-5)), {"out": out, "window": win}, win,
                       max_window=1, rounds=rounds)
     return ws, out, sched.start_loop(loop)
@@ -46,7 +46,7 @@ def test_loop_equals_plain_greedy_and_batches(tiny):
         runs = [start_greedy_loop(sched, eng, p, 12) for p in prompts]
         for (ws, out, fut), w in zip(runs, want):
             stats = fut.result(timeout=60)
-            assert out.cells() == w
+            assert cells(out) == w
             assert stats.rounds == 12 and stats.drafted == 0
             assert ws.frozen == len(prompts[runs.index((ws, out, fut))]) + 11
     finally:
@@ -60,7 +60,7 @@ def test_round_limit_and_no_page_leak(tiny):
     try:
         for _ in range(3):
             ws, out, fut = start_greedy_loop(sched, eng, [3, 4, 5], limit=10_000, rounds=20)
-            assert fut.result(timeout=60).rounds == 20 and len(out.cells()) == 20
+            assert fut.result(timeout=60).rounds == 20 and len(cells(out)) == 20
             eng.release(ws)
         assert eng.pool.free_pages == free
     finally:
@@ -77,7 +77,7 @@ def test_fold_from_the_epilogue_keeps_0_some_all(tiny, keep):
         p = trace.Program(window=4, readout=4)
         p.channel("window", "i64", 4)
         p.fold(p.minimum(p.const(keep), p.window().size()))
-        win = Chan(4, [10, 11, 12, 13])
+        win = chan(4, [10, 11, 12, 13])
         loop = DeviceLoop(ws, compile_program(p.to_json()), {"window": win}, win, max_window=4, rounds=1)
         stats = sched.start_loop(loop).result(timeout=60)
         assert ws.frozen == 3 + keep and ws.tokens == [3, 4, 5] + [10, 11, 12, 13][:keep]
@@ -109,7 +109,7 @@ def test_thousands_of_rounds_leak_nothing(tiny):
         prog = compile_program(p.to_json())
 
         def run(rounds):
-            win, out = Chan(1, [7]), Chan(1)
+            win, out = chan(1, [7]), chan(1)
             loop = DeviceLoop(ws, prog, {"window": win, "out": out}, win, max_window=1, rounds=rounds)
             return sched.start_loop(loop).result(timeout=300)
 
@@ -142,14 +142,14 @@ def test_window_with_a_token_outside_the_vocabulary_fails_that_loop_only(tiny, m
             out, win = Channel("uint32", 256, eng.device), Channel("uint32", 1, eng.device)
             win.put([eng.info.vocab_size + 3])
         else:
-            out, win = Chan(256), Chan(1, [eng.info.vocab_size + 3])
+            out, win = chan(256), chan(1, [eng.info.vocab_size + 3])
         bad = sched.start_loop(DeviceLoop(bad_ws, compile_program(greedy_program(8, eos=-5)),
                                           {"out": out, "window": win}, win, max_window=1, rounds=8))
         ws, good_out, good = start_greedy_loop(sched, eng, [5, 9, 13, 4], 8)
         with pytest.raises(InvalidArgument, match=f"token id {eng.info.vocab_size + 3} is outside the vocabulary"):
             bad.result(timeout=60)
-        assert bad_ws.frozen == 0 and out.count == 0
+        assert bad_ws.frozen == 0 and out.length == 0
         good.result(timeout=60)
-        assert good_out.cells() == plain_greedy(eng, [5, 9, 13, 4], 8)
+        assert cells(good_out) == plain_greedy(eng, [5, 9, 13, 4], 8)
     finally:
         sched.close()

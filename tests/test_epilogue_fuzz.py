@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from host.epilogue import Env, ProgramError, SimpleChannel, compile_program
 from host.epilogue.ops import OPS
 
-from guest import speculative, trace
+from guest import cacheback, trace
 
 TRIED = {"programs": 0, "compiled": 0, "ran": 0}
 
@@ -20,7 +20,7 @@ def _seeds() -> list[dict]:
     """Valid programs to mutate: cacheback's (greedy and sampled) and a greedy loop's."""
     out = []
     for temp in (0.0, 0.8):
-        text, _ = speculative.cacheback_program(prompt=[1, 2, 3, 1, 2], tracer=trace, draft_len_max=3,
+        text, _ = cacheback.cacheback_program(prompt=[1, 2, 3, 1, 2], draft_len_max=3,
                                                 lookup_window=16, lru_size=4, max_tokens=20, temperature=temp)
         out.append(json.loads(text))
     p = trace.Program(window=1)

@@ -10,7 +10,7 @@ from host.epilogue import Env, ProgramError, SimpleChannel, compile_program
 
 from guest import trace
 from op_reference import covers
-from guest import speculative as ref  # its plain-Python lru_lookup / lru_update are the references
+from guest import reference as ref  # its plain-Python lru_lookup / lru_update are the references
 
 # every test here runs with both scalar paths of the executor (see conftest.scalar_path)
 pytestmark = pytest.mark.usefixtures("scalar_path")

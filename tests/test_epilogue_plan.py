@@ -145,8 +145,8 @@ def test_a_greedy_round_in_host_memory_makes_no_tensor():
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_cacheback_host_plan_matches_the_device_plan(temperature):
     """The whole cacheback round (lookup, LRU, verification, gate), host forms against tensors."""
-    from guest import speculative
-    text, chans = speculative.cacheback_program(prompt=[5, 6, 7, 5, 6, 7, 5], tracer=trace, draft_len_max=3,
+    from guest import cacheback
+    text, chans = cacheback.cacheback_program(prompt=[5, 6, 7, 5, 6, 7, 5], draft_len_max=3,
                                                 lookup_window=10, lru_size=4, max_tokens=30, temperature=temperature)
     prog = compile_program(text)
     g = torch.Generator().manual_seed(3)
@@ -249,7 +249,8 @@ def test_each_variant_is_taken_and_equals_the_kernels(op, j, host, make):
                 history=hist.clone(), channels=chans, round=2, window_len=3)
         (res,), src = run_as(prog, [e], on_host)
         if on_host == host:
-            assert f"{op}{[o.index for o in prog.checked.ops if o.name == op][0]}_v{j}(" in src, src
+            name = f"{op}{[o.index for o in prog.checked.ops if o.name == op][0]}_v{j}"
+            assert f"{name}(" in src or f"# {name}" in src, src  # called, or written inline
         results.append((res, chans))
     (a, ca), (b, cb) = results
     assert results_equal(a, b)

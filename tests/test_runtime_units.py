@@ -20,7 +20,7 @@ def test_channel_put_read_take():
     ch.put([1, 2])
     ch.put_tensor(torch.tensor([3]))
     assert len(ch) == 3 and ch.read(1, 2) == [2, 3]
-    assert ch.view().tolist() == [1, 2, 3]
+    assert ch.buf[:ch.length].tolist() == [1, 2, 3]
     with pytest.raises(ChannelFull):
         ch.put([4, 5])
     with pytest.raises(InvalidArgument):
@@ -89,3 +89,24 @@ def test_pie_run_argument_split():
     # options before the name: argparse eats the `--`; the inferlet's arguments still get through
     early = parser.parse_args(["run", "--json", "x", "--", "--prompt", "hi", "--max-tokens", "3"])
     assert _split_rest(early) == ["--prompt", "hi", "--max-tokens", "3"] and early.json
+
+
+def test_error_codes_are_declared_once_and_match_the_wit():
+    """Each PieError class declares its code; the codes a guest is told are the WIT's enum,
+    and every case of that enum has its class."""
+    import host.runtime.errors  # noqa: F401  (its classes count)
+    from host.errors import PieError
+    from host.runtime.bindings import WIT_ERROR_CODES
+    from host.runtime.imports import error_codes
+
+    def subclasses(c):
+        for s in c.__subclasses__():
+            yield s
+            yield from subclasses(s)
+
+    codes = {c.code: c for c in subclasses(PieError)}
+    assert set(error_codes()) <= set(codes), "a WIT error code without its PieError class"
+    host_only = {c for c in codes if c not in error_codes()}
+    # errors of the host's own commands and of a run as a whole, never returned to a guest
+    assert host_only == {"model-not-found", "import-failed", "inferlet-failed", "cancelled"}, host_only
+    assert WIT_ERROR_CODES == set(error_codes())

@@ -7,10 +7,13 @@ set's frozen length by its fold). `forward` does all three for passes whose fold
 
 from __future__ import annotations
 
+import enum
+
 import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,20 +41,31 @@ class ModelInfo:
     drafters: list[str] = field(default_factory=list)
 
 
+class Fold(enum.Enum):
+    """A fold that is not a constant count of rows."""
+
+    ALL = "all"  # the whole window
+    EPILOGUE = "epilogue"  # what the pass's epilogue sets (a device loop)
+    CHANNEL = "channel"  # cell 0 of the loop's fold channel, read after the epilogue (a device loop)
+
+
 @dataclass
 class Pass:
     """One window of rows written at `ws`'s frozen end.
 
     tokens: the window's ids (a list, or an int64 tensor on the model's device).
     readout: window rows whose logits (and hidden state) are returned.
-    fold: rows frozen after the pass; None freezes the whole window.
+    fold: rows frozen after the pass: a count, or Fold.ALL.
+    choose: picks a token per readout row from the logits (argmax, a sampler) on the compute
+    thread, right after the model call, before the caller is woken (PassOutput.tokens).
     """
 
     ws: WorkingSet
     tokens: list[int] | torch.Tensor
     readout: list[int]
-    fold: int | None = None
+    fold: int | Fold = Fold.ALL
     hidden: bool = False
+    choose: Callable[[torch.Tensor], list[int]] | None = None
     window: int = field(init=False)  # len(tokens), read many times a step (a tensor's len is slow)
 
     def __post_init__(self):
@@ -62,6 +76,7 @@ class Pass:
 class PassOutput:
     logits: torch.Tensor  # [len(readout), vocab] float32
     hidden: torch.Tensor | None = None  # [len(readout), hidden_size]
+    tokens: list[int] | None = None  # the pass's `choose` applied to the logits
 
 
 @dataclass
@@ -208,7 +223,7 @@ class Engine:
         bad_rows = [r for r in ps.readout if not 0 <= r < w]
         if bad_rows:
             raise InvalidArgument(f"readout row {bad_rows[0]} is outside the window of {w} rows")
-        if ps.fold is not None and not 0 <= ps.fold <= w:
+        if ps.fold is not Fold.ALL and not 0 <= ps.fold <= w:
             raise InvalidArgument(f"fold {ps.fold} is outside 0..{w} (the window length)")
 
     # ---- the step -------------------------------------------------------------------
@@ -330,8 +345,8 @@ class Engine:
         ps.ws.commit(tokens, fold, first_position)
 
     def commit_known(self, ps: Pass, first_position: int) -> None:
-        """Commit a pass whose fold was given up front (None: the whole window)."""
-        fold = ps.window if ps.fold is None else ps.fold
+        """Commit a pass whose fold was given up front."""
+        fold = ps.window if ps.fold is Fold.ALL else ps.fold
         self.commit(ps, first_position, fold, self._host_tokens(ps.tokens))
 
 

@@ -9,14 +9,15 @@ them, and nothing else leaves the device. The guest is not called between rounds
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from ..epilogue import Env, Result, host_readable
+from ..epilogue import DeviceChannel, Env, Program, Result, host_readable
 from ..errors import InvalidArgument, detached, unexpected
-from .engine import Pass, PassOutput
+from .engine import Fold, Pass, PassOutput
 from .working_set import WorkingSet
 
 
@@ -60,37 +61,52 @@ class LoopStats:
 
 
 @dataclass
+class RoundReadback:
+    """What the host learns of one loop's round, once the epilogue has run: host values only."""
+
+    fold: int  # rows of the window that become committed state
+    stop: bool  # the epilogue raised its stop flag
+    lengths: dict[str, int]  # every channel's length after the round
+    tokens: list[int]  # the window's ids (the commit records the folded ones)
+    streamed: dict[str, list[int]]  # a channel with a sink: the cells the round appended
+
+
+@dataclass
 class DeviceLoop:
-    """State of one looping pass. Channels follow host.runtime.channels.Channel:
-    `.buf` (device tensor), `.count` (host int) and `.length` (the same: the epilogue reads
-    them as they are), `.lock` (a Condition), `.notify()`, and optionally `.host` (buf's
-    memory as a numpy array, where it is host memory)."""
+    """State of one looping pass. Its channels implement DeviceChannel (host/epilogue/env.py),
+    whose docstring also gives the lock order."""
 
     ws: WorkingSet
-    program: object | None  # host.epilogue.Program; None: fold from fold_channel or the whole window
-    channels: dict  # name in the program -> channel
-    embed: object  # the channel whose cells are each round's window
+    program: Program | None  # None: the fold is a constant, the whole window, or a channel's
+    channels: dict[str, DeviceChannel]  # name in the program -> channel
+    embed: DeviceChannel  # the channel whose cells are each round's window
     max_window: int
     rounds: int
     readout: list[int] | None = None  # None: every row of the window
-    fold_channel: object | None = None  # fold = cell 0 of this channel, read after the epilogue
-    fixed_fold: int | None = None  # a constant fold (StateGeometry's constant); -1: the whole window
+    fold: int | Fold = Fold.EPILOGUE  # a constant, Fold.ALL, Fold.EPILOGUE or Fold.CHANNEL
+    fold_channel: DeviceChannel | None = None  # with Fold.CHANNEL: cell 0, read after the epilogue
     seed: int = 0
     hidden: bool = False
     round: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
     done: Future = field(default_factory=Future)
     finished: bool = False  # done is resolved (a plain flag: the scheduler reads it twice a round)
-    on_round: object | None = None  # callback(loop, window, fold) after each round's bookkeeping
+    on_round: Callable | None = None  # callback(loop, window, fold) after each round's bookkeeping
     _locks: list | None = None
+
+    def __post_init__(self):
+        if (self.fold is Fold.CHANNEL) != (self.fold_channel is not None):
+            raise InvalidArgument("a fold from a channel needs the channel, and only it does")
+        if self.fold is Fold.EPILOGUE and (self.program is None or not self.program.has_fold):
+            raise InvalidArgument("fold from-epilogue, but the epilogue has no fold effect")
 
     def drafts(self, window: int) -> int:
         """Rows a round of `window` rows verifies: those past the first (the last committed token)
         when the epilogue or a channel decides the fold; a fixed fold verifies nothing."""
-        return max(window - 1, 0) if self.fixed_fold is None else 0
+        return max(window - 1, 0) if self.fold in (Fold.EPILOGUE, Fold.CHANNEL) else 0
 
     def next_pass(self) -> Pass | None:
-        n = self.embed.count
+        n = self.embed.length
         if n == 0:
             return None
         if n > self.max_window:
@@ -100,7 +116,7 @@ class DeviceLoop:
         # A copy: the epilogue overwrites the channel with the next window before readback.
         # In host memory the copy is a list (the engine validates and indexes it without a
         # torch op, and the commit needs it as one); on a device it stays there.
-        host = getattr(self.embed, "host", None)
+        host = self.embed.host
         tokens = self.embed.buf[:n].clone() if host is None else host[:n].tolist()
         return Pass(self.ws, tokens, rows, fold=0, hidden=self.hidden)
 
@@ -111,12 +127,17 @@ class DeviceLoop:
         return self._locks
 
     def finish(self, error: BaseException | None = None) -> None:
-        if not self.finished:
-            self.finished = True
+        """End the loop; the first of the compute thread and a canceller to finish it wins."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
             if error is None:
                 self.done.set_result(self.stats)
             else:
                 self.done.set_exception(detached(error))
+        except InvalidStateError:  # another thread resolved it between the test and here
+            pass
 
 
 def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device,
@@ -183,7 +204,7 @@ def readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list
     return out
 
 
-def _readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list[dict]:
+def _readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> list[RoundReadback]:
     """The one host transfer per batch: the folds, stops and channel lengths that the epilogues left
     on the device, window tokens, and the new cells of channels that stream to the client (a
     channel with a `sink`). Values the host already knows (a constant fold, the length after a
@@ -204,27 +225,27 @@ def _readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> lis
 
     plans = []
     for loop, ps, res in zip(loops, passes, results):
-        if loop.fold_channel is not None:
+        if loop.fold is Fold.CHANNEL:
             fold = later(loop.fold_channel.buf[:1])  # read after the epilogue wrote it
-        elif loop.fixed_fold is not None:
-            fold = ps.window if loop.fixed_fold < 0 else loop.fixed_fold
+        elif loop.fold is Fold.EPILOGUE:
+            fold = later(res.fold)
         else:
-            fold = ps.window if res.fold is None else later(res.fold)
+            fold = ps.window if loop.fold is Fold.ALL else loop.fold
         stop = later(res.stop) if res.stop is not None else False
-        lengths = {name: later(res.channels[name].length) if name in res.channels else ch.count
+        lengths = {name: later(res.channels[name].length) if name in res.channels else ch.length
                    for name, ch in loop.channels.items()}
         streamed = {}
         for name, ch in loop.channels.items():
-            if getattr(ch, "sink", None) is None:
+            if ch.sink is None:
                 continue
             n = lengths[name]
-            if isinstance(n, int) and getattr(ch, "host", None) is not None:  # host memory, known length
-                streamed[name] = ch.host[ch.count:n].tolist()
+            if isinstance(n, int) and ch.host is not None:  # host memory, known length
+                streamed[name] = ch.host[ch.length:n].tolist()
                 continue
             # a device length: read a bounded span now (a round appends at most a window's worth
             # in practice) and the rest, if any, separately below
-            end = n if isinstance(n, int) else min(ch.capacity, ch.count + 2 * loop.max_window + 8)
-            streamed[name] = later(ch.buf[ch.count:end], many=True)
+            end = n if isinstance(n, int) else min(ch.capacity, ch.length + 2 * loop.max_window + 8)
+            streamed[name] = later(ch.buf[ch.length:end], many=True)
         plans.append((fold, stop, lengths, later(ps.tokens, many=True), streamed))
     # the sync: page bookkeeping needs folds and lengths on the host
     flat = _transfer(parts)
@@ -236,11 +257,11 @@ def _readback(loops: list[DeviceLoop], passes: list[Pass], results: list) -> lis
             streamed = {name: _get(flat, slot) for name, slot in streamed.items()}
         for name, got in streamed.items():
             ch, n = loop.channels[name], lengths[name]
-            got = got[:max(n - ch.count, 0)]
-            if ch.count + len(got) < n:
-                got += ch.buf[ch.count + len(got):n].tolist()
+            got = got[:max(n - ch.length, 0)]
+            if ch.length + len(got) < n:
+                got += ch.buf[ch.length + len(got):n].tolist()
             streamed[name] = got
-        out.append({"fold": fold, "stop": bool(stop), "lengths": lengths, "tokens": tokens, "streamed": streamed})
+        out.append(RoundReadback(fold, bool(stop), lengths, tokens, streamed))
     return out
 
 

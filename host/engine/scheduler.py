@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from ..errors import InvalidArgument, PieError, detached, unexpected
 from .compute import compute
 from .engine import Engine, Pass
-from .loop import DeviceLoop, readback, run_epilogues
+from .loop import DeviceLoop, RoundReadback, readback, run_epilogues
 
 
 class Scheduler:
@@ -133,6 +133,12 @@ class Scheduler:
                 if i in by_index:
                     first, out = by_index[i]
                     eng.commit_known(ps, first)
+                    if ps.choose is not None:  # here, where the logits are: no second hop for it
+                        try:
+                            out.tokens = ps.choose(out.logits)
+                        except Exception as e:
+                            fut.set_exception(detached(unexpected("choosing the pass's tokens", e)))
+                            continue
                     fut.set_result(out)
                 else:
                     fut.set_exception(errors[i])
@@ -176,29 +182,24 @@ class Scheduler:
             for lk in reversed(locks):
                 lk.release()
 
-    def _commit_round(self, lp: DeviceLoop, ps: Pass, first: int, back: dict) -> None:
+    def _commit_round(self, lp: DeviceLoop, ps: Pass, first: int, back: RoundReadback) -> None:
         eng = self.engine
-        fold = back["fold"]
+        fold = back.fold
         if isinstance(fold, bool) or not isinstance(fold, numbers.Integral) or not 0 <= fold <= ps.window:
             raise InvalidArgument(f"the epilogue set fold {fold!r}, not an integer in 0..{ps.window} (the window)")
         fold = int(fold)
         if not isinstance(ps.tokens, list):  # device ids, clamped for the pass (Engine._build)
-            eng.check_ids(back["tokens"])  # nothing of the round is committed
-        eng.commit(ps, first, fold, back["tokens"])
-        streamed = back["streamed"]
-        for name, n in back["lengths"].items():
+            eng.check_ids(back.tokens)  # nothing of the round is committed
+        eng.commit(ps, first, fold, back.tokens)
+        for name, n in back.lengths.items():
             ch = lp.channels[name]
-            if name in streamed:
-                ch.count = 0  # the sink consumes the cells
-                ch.sink(streamed[name])
+            if name in back.streamed:
+                ch.stream(back.streamed[name])
             else:
-                # only a `take` on an empty channel waits: wake it when cells arrive, not every round
-                if n and not ch.count:
-                    ch.lock.notify_all()
-                ch.count = n
+                ch.set_length(n)
         lp.stats.record(lp.drafts(ps.window), fold)
         lp.round += 1
         if lp.on_round is not None:
             lp.on_round(lp, ps.window, fold)
-        if back["stop"] or lp.round >= lp.rounds:
+        if back.stop or lp.round >= lp.rounds:
             lp.finish()  # the producers detach: waiting takes wake up

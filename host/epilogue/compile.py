@@ -171,7 +171,9 @@ class Program:
         if len(envs) == 1:  # the common case: nothing to group
             bind = self._bind(envs[0])
             self._check_env(envs[0], bind)
-            return self._run(envs, bind, keep_values)
+            dev = self._device(envs[0])
+            fn = self._plans.get((host_readable(dev), 1, keep_values))
+            return fn(envs, bind, dev) if fn is not None else self._run(envs, bind, keep_values)
         groups: dict[tuple, list[int]] = {}
         binds = []
         for i, env in enumerate(envs):

@@ -1,35 +1,75 @@
-"""What the executor reads per pass (Env) and what it hands back (Result).
+"""What the executor reads per pass (Env) and hands back (Result), and the channel contract.
 
-Channels are duck-typed (DeviceChannel): any object with `.buf`, a 1-D device
-tensor whose length is the channel's capacity, and `.length`, the number of cells
-in use: a host int (what the device loop passes: it knows every length after its
-readback) or a 0-d int64 tensor (read on the host, a sync). The executor writes
-channel buffers in place; a Result carries the new lengths.
+DeviceChannel is the one protocol every channel implements: the runtime's channels
+(host/runtime/channels.py), SimpleChannel below (stand-alone use and tests), and what a device
+loop reads and writes each round (host/engine/loop.py). The executor writes a channel's cells in
+place and reports the new length in its Result; the loop, after its readback, gives the channel
+that length (`set_length`) or hands the new cells to the channel's consumer (`stream`).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 import torch
 
 
 class DeviceChannel(Protocol):
-    buf: torch.Tensor  # [capacity], any of int32/int64/float32/bool
-    length: int | torch.Tensor  # a host int, or a 0-d int64 tensor
-    host: np.ndarray | None  # optional: buf's memory as a numpy array, where it is host memory
-    capacity: int  # optional: len(buf), as a host int
+    """A small typed buffer on the model's device.
+
+    buf: [capacity] cells (int32/int64/float32/bool storage); host: the same memory as a numpy
+    array where it is host memory, else None; capacity: len(buf) as a host int; length: the cells
+    in use (a host int, or a 0-d int64 tensor for a channel used stand-alone with the executor).
+
+    lock: held by a device loop for a whole round (its epilogue writes the cells, its bookkeeping
+    the length). Lock order: a loop takes the locks of all its channels at once, sorted by id()
+    (DeviceLoop.locks), so loops sharing channels cannot deadlock; anything else holds one
+    channel's lock at a time and calls no loop while holding it.
+    sink: None, or the consumer of the cells a loop appends (they are streamed, not kept)."""
+
+    buf: torch.Tensor
+    host: np.ndarray | None
+    capacity: int
+    length: int | torch.Tensor
+    lock: threading.Condition
+    sink: Callable[[list], None] | None
+
+    def set_length(self, n: int | torch.Tensor) -> None:
+        """After a round (lock held): `n` cells are in use; wakes a waiting reader when cells arrive."""
+
+    def stream(self, cells: list) -> None:
+        """After a round (lock held): hand the round's new cells to the sink; none stay in the channel."""
 
 
 @dataclass
 class SimpleChannel:
-    """A minimal DeviceChannel (tests, and a reference for adapters)."""
+    """The minimal DeviceChannel: a buffer and a length (stand-alone executor use, tests)."""
 
     buf: torch.Tensor
     length: int | torch.Tensor
     host: np.ndarray | None = None
+    sink: Callable[[list], None] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.shape[0]
+
+    @property
+    def lock(self) -> threading.Condition:  # made on first use: a copied channel gets its own
+        lk = self.__dict__.get("_lock")
+        if lk is None:
+            lk = self.__dict__["_lock"] = threading.Condition()
+        return lk
+
+    def set_length(self, n: int | torch.Tensor) -> None:
+        self.length = n
+
+    def stream(self, cells: list) -> None:
+        self.sink(cells)
+        self.length = 0
 
     @staticmethod
     def empty(capacity: int, dtype=torch.int64, device="cpu") -> "SimpleChannel":
@@ -66,17 +106,17 @@ class ChannelWrite:
 
 @dataclass
 class Result:
-    """Host values where the program fixes them (a constant fold), else device tensors;
-    reading those on the host is the one sync per batch."""
+    """Host values where the host knows them, else device tensors; reading those on the host
+    is the one sync per batch."""
 
-    fold: int | torch.Tensor | None = None  # clamped to [0, W]
-    stop: torch.Tensor | None = None  # 0-d bool
+    fold: int | torch.Tensor | None = None  # clamped to [0, W]; None: the program has no fold
+    stop: bool | torch.Tensor | None = None  # None: the program has no stop
     channels: dict[str, ChannelWrite] = field(default_factory=dict)
     values: list[torch.Tensor] | None = None  # every SSA value, when run(keep_values=True)
 
 
 def host_length(ch: DeviceChannel) -> int:
-    """A channel's length as a host int. The device loop always passes host counts; a 0-d
+    """A channel's length as a host int. The device loop always passes host lengths; a 0-d
     tensor length (stand-alone use of the executor) is read here, which syncs."""
     n = ch.length
     return n if isinstance(n, int) else int(n)
@@ -85,4 +125,4 @@ def host_length(ch: DeviceChannel) -> int:
 def apply_writes(result: Result, channels: Mapping[str, DeviceChannel]) -> None:
     """Give the channels their new lengths (the cells were written in place by the run)."""
     for name, w in result.channels.items():
-        channels[name].length = w.length
+        channels[name].set_length(w.length)

@@ -215,6 +215,11 @@ class _Builder:
             if var.when is not None and not var.when(self.c.values, op):
                 continue
             if all(self.can(a, f) for a, f in zip(op.args, var.takes)):
+                if var.inline is not None and self.B == 1 and len(op.outs) == 1:
+                    expr = var.inline(op).format(*(self.get(a, f) for a, f in zip(op.args, var.takes)))
+                    self.emit(f"{var.gives[0]}{outs[0]} = {expr}  # {op.name}{op.index}_v{j}")
+                    self.made(outs[0], var.gives[0])
+                    return
                 args = [self.hosts(a) if f == HOST else self.get(a, f) for a, f in zip(op.args, var.takes)]
                 self.call(op, var.fn, args, var.gives, f"{op.name}{op.index}_v{j}", var.ctx, kernel=False)
                 return

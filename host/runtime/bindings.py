@@ -14,25 +14,28 @@ would hold the store).
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import math
 import threading
 import time
 import traceback
+from concurrent.futures import InvalidStateError
 from typing import Callable
 
 import wasmtime
-from wasmtime import _ffi as ffi
+from wasmtime import _bindings, _ffi as ffi
 from wasmtime.component import Linker, Record, Variant
 
-from ..engine import Engine, Pass, WorkingSet
-from ..engine.compute import compute
+from ..engine import Engine, Fold, Pass, WorkingSet
 from ..engine.loop import DeviceLoop, LoopStats
 from ..engine.pages import Quota
 from ..errors import InvalidArgument, BadHandle, Internal, PieError, detached
 from .channels import Channel
 from .detok import Detokenizer
-from .errors import ChannelClosed, Unsupported
-from .imports import PACKAGE as WIT_PACKAGE, VERSION, declared
+from .errors import BudgetExceeded, Cancelled, ChannelClosed, Unsupported
+from .imports import PACKAGE as WIT_PACKAGE, VERSION, declared, error_codes
+from .limits import Limits, flag
 from .sampling import Sampler, argmax
 
 PACKAGE = f"{WIT_PACKAGE}/{{}}@{VERSION}"
@@ -43,8 +46,7 @@ NO_ERROR_RESULT = {n for n, r in _RESULTS.items() if r is None or r[0] != "resul
 # class, so it needs an explicit Variant('ok'|'err', ...)
 TAGGED = {n for n, r in _RESULTS.items() if r and r[0] == "result" and all(isinstance(x, tuple) and x[0] == "record"
                                                                              for x in r[1:])}
-WIT_ERROR_CODES = {"invalid-argument", "bad-handle", "out-of-pages", "context-overflow", "channel-full",
-                   "channel-closed", "unsupported", "internal"}
+WIT_ERROR_CODES = set(error_codes())  # what a guest may be told; any other code reads "internal"
 
 
 def _record(**fields) -> Record:
@@ -113,8 +115,12 @@ class InstanceHost:
     """The host side of one running inferlet: its handle table, output and counters."""
 
     def __init__(self, engine: Engine, scheduler, args: list[str], cpu_time_s: float, epoch_tick_s: float,
-                 on_text: Callable[[str], None] | None = None, kv_quota: Quota | None = None):
+                 on_text: Callable[[str], None] | None = None, kv_quota: Quota | None = None,
+                 limits: Limits | None = None):
         self.engine = engine
+        self.limits = limits or Limits()
+        self.cells = 0  # of the live channels
+        self.output = 0  # bytes of output text and token ids (Limits.output_bytes)
         self.scheduler = scheduler
         self.args = list(args)
         self.on_text = on_text
@@ -138,7 +144,10 @@ class InstanceHost:
         self.draft_stats = LoopStats()
         self.loops: list[DeviceLoop] = []
         self.guest_time_s = 0.0
+        self.loop_time_s = 0.0  # running time of the device loops, charged to the CPU-time budget
+        self._loop_clock: dict[int, float] = {}  # id(loop) -> when its last round (or its start) was charged
         self._last_exit = time.perf_counter()
+        self._epoch_key = None
 
     # ---- handles ---------------------------------------------------------------------
     def _add(self, obj) -> int:
@@ -146,6 +155,13 @@ class InstanceHost:
         self._next_handle += 1
         self.handles[h] = obj
         return h
+
+    def _new(self, make: Callable[[], object]) -> int:
+        """A handle for make()'s object, made only if the handle budget has room."""
+        if len(self.handles) >= self.limits.handles:
+            raise BudgetExceeded(f"the inferlet holds {len(self.handles)} handles, its limit "
+                                 f"({flag('handles')}); release some first")
+        return self._add(make())
 
     def _get(self, h: int, kind: type, what: str):
         obj = self.handles.get(h) if type(h) is int else None
@@ -157,6 +173,7 @@ class InstanceHost:
         """Free everything the instance still holds: loops, KV pages, channel buffers, samplers,
         and the host functions' way to it (see `_Link`)."""
         self._link.fns.clear()
+        _EPOCH_LINKS.pop(self._epoch_key, None)
         self.stop_loops()
         for obj in self.handles.values():
             if isinstance(obj, WorkingSet):
@@ -166,18 +183,62 @@ class InstanceHost:
                 obj.sink = None
         self.handles.clear()
         self.loops.clear()
+        self._loop_clock.clear()
+        self.cells = 0
+
+    # ---- time: the CPU-time budget and cancellation -----------------------------------------
+    def cpu_used(self) -> float:
+        return self.guest_time_s + self.loop_time_s
+
+    def _over_cpu(self) -> bool:
+        """Past the CPU-time budget: the instance is marked to end (fatal)."""
+        if self.fatal is None and self.cpu_used() >= self.cpu_time_s:
+            self.fatal = f"the inferlet exceeded its CPU-time limit of {self.cpu_time_s:g} s and was stopped"
+        return self.fatal is not None
+
+    def cancel(self, reason: str) -> None:
+        """End the instance from any thread: its loops stop now, the guest at its next host call
+        or epoch check; its pages are freed when its run returns (release_all)."""
+        if self.fatal is None:
+            self.fatal = f"{Cancelled.code}: {reason}"
+        self.stop_loops(lambda: Cancelled(reason))
+
+    def watch_epochs(self, store: wasmtime.Store) -> None:
+        """Check the CPU-time budget and cancellation every EPOCH_SLICE ticks of guest execution."""
+        self._epoch_key = next(_EPOCH_KEYS)
+        _EPOCH_LINKS[self._epoch_key] = self._link
+        self._link.fns["epoch"] = self._on_epoch
+        # no finalizer: release_all forgets the key (a C callback at store drop could run at shutdown)
+        ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _on_deadline, self._epoch_key, _NO_FINALIZER)
+        store.set_epoch_deadline(1)
+        self._last_exit = time.perf_counter()  # guest time starts here, not when the component was compiled
+
+    def _on_epoch(self) -> int | str:
+        """Ticks until the next check, or why the guest must stop (wasmtime traps with it)."""
+        now = time.perf_counter()
+        self.guest_time_s += now - self._last_exit
+        self._last_exit = now
+        if self._over_cpu():
+            return self.fatal
+        return self._ticks_left()
+
+    def _ticks_left(self) -> int:
+        if self.fatal is not None:
+            return 0
+        left = math.ceil((self.cpu_time_s - self.cpu_used()) / self.epoch_tick_s)
+        return max(0, min(EPOCH_SLICE, left))
 
     # ---- the call wrapper ----------------------------------------------------------------
     def _host(self, name: str, fn: Callable, tagged: bool = False) -> Callable:
         """Wrap `fn` as the host function `name`: count the call, map errors, keep the CPU-time budget.
         tagged: see TAGGED."""
-        tick = self.epoch_tick_s
-
         def host(store, *args):
             enter = time.perf_counter()
             self.guest_time_s += enter - self._last_exit
             self.guest_calls += 1
             try:
+                if self._over_cpu():  # cancelled, or past its CPU time (its loops charge it)
+                    raise wasmtime.WasmtimeError(self.fatal)
                 value = fn(*args)
                 return Variant("ok", value) if tagged else value
             except PieError as e:
@@ -189,15 +250,16 @@ class InstanceHost:
                     self.fatal = f"{e.code}: {name}: {e}"
                     raise wasmtime.WasmtimeError(self.fatal) from None
                 return rec
+            except wasmtime.WasmtimeError:
+                raise
             except Exception as e:  # a host bug: end this instance only
                 self.fatal = f"{Internal.code}: host function {name!r} failed: {type(e).__name__}: {e}"
                 self.fatal_trace = traceback.format_exc()
                 raise wasmtime.WasmtimeError(self.fatal) from None
             finally:
                 self._last_exit = time.perf_counter()
-                # the CPU-time budget counts guest execution only, not time blocked in the host
-                left = self.cpu_time_s - self.guest_time_s
-                ffi.wasmtime_context_set_epoch_deadline(store._context(), max(0, math.ceil(left / tick)))
+                # the CPU-time budget counts guest execution (and loops), not time blocked in the host
+                ffi.wasmtime_context_set_epoch_deadline(store._context(), self._ticks_left())
 
         return self._link.add(name, host)
 
@@ -224,10 +286,10 @@ class InstanceHost:
                 "apply-chat-template": self.apply_chat_template,
             },
             "working-sets": {
-                "create": lambda: self._add(self.engine.new_working_set(self.kv_quota)),
+                "create": lambda: self._new(lambda: self.engine.new_working_set(self.kv_quota)),
                 "frozen-length": lambda ws: self._ws(ws).frozen,
                 "tokens": lambda ws: list(self._ws(ws).tokens),
-                "fork": lambda ws: self._add(self.engine.fork(self._ws(ws))),
+                "fork": lambda ws: self._new(lambda: self.engine.fork(self._ws(ws))),
                 "truncate": lambda ws, n: self.engine.truncate(self._ws(ws), _u32(n, "length")),
                 "evict": lambda ws, s, e: self.engine.evict(self._ws(ws), _u32(s, "start"), _u32(e, "end")),
                 "commit": self.commit,
@@ -258,8 +320,15 @@ class InstanceHost:
         return _record(name=info.name, vocab_size=info.vocab_size, eos_ids=list(info.eos_ids),
                        context_length=info.context_len, drafters=list(info.drafters))
 
+    def _charge_output(self, n: int, what: str) -> None:
+        """Refuse output past Limits.output_bytes (decoded text is counted after the fact)."""
+        if self.output + n > self.limits.output_bytes:
+            raise BudgetExceeded(f"{what} would take the run's output past its limit of "
+                                 f"{self.limits.output_bytes} bytes ({flag('output_bytes')})")
+
     def _stream(self, text: str) -> None:
         if text:
+            self.output += len(text.encode("utf-8", "replace"))
             self.text_parts.append(text)
             if self.on_text is not None:
                 self.on_text(text)
@@ -267,6 +336,7 @@ class InstanceHost:
     def send(self, text: str) -> None:
         _str(text, "text")
         with self._out_lock:
+            self._charge_output(len(text.encode("utf-8", "replace")), "send")
             self._release_held()  # text keeps its place among the emitted tokens
             self._stream(text)
 
@@ -274,6 +344,8 @@ class InstanceHost:
         """Record committed ids (call with _out_lock held). Their text is decoded at once for a
         streaming client, else when it is next needed: one round of a device loop then costs a
         list extend instead of a detokeniser step on the compute thread."""
+        self._charge_output(4 * len(ids), f"{len(ids)} token ids")
+        self.output += 4 * len(ids)
         self.token_ids.extend(ids)
         if self.on_text is None:
             self._held.extend(ids)
@@ -347,7 +419,14 @@ class InstanceHost:
         return self._get(h, Channel, "channel")
 
     def create_channel(self, element: str, capacity: int) -> int:
-        return self._add(Channel(_str(element, "element"), _u32(capacity, "capacity"), self.engine.device))
+        _str(element, "element")
+        if self.cells + _u32(capacity, "capacity") > self.limits.channel_cells:
+            raise BudgetExceeded(f"a channel of {capacity} cells does not fit: the inferlet's channels hold "
+                                 f"{self.cells} of its {self.limits.channel_cells} cells ({flag('channel_cells')}); "
+                                 f"release one first")
+        h = self._new(lambda: Channel(element, capacity, self.engine.device))
+        self.cells += capacity
+        return h
 
     def _put(self, h: int, cells: Variant) -> None:
         ch = self._ch(h)
@@ -366,14 +445,17 @@ class InstanceHost:
         return Variant(ch.element, values)
 
     def release_channel(self, h: int) -> None:
-        self._ch(h).close()
+        ch = self._ch(h)
+        ch.close()
         del self.handles[h]
+        self.cells -= ch.capacity
 
     def create_sampler(self, temperature: float, top_p: float, seed: int) -> int:
         for v, what in ((temperature, "temperature"), (top_p, "top-p")):
             if type(v) is not float:
                 raise InvalidArgument(f"{what} must be an f32, not {_show(v)}")
-        return self._add(Sampler(temperature, top_p, _u64(seed, "seed")))
+        _u64(seed, "seed")
+        return self._new(lambda: Sampler(temperature, top_p, seed))
 
     def release_sampler(self, h: int) -> None:
         self._get(h, Sampler, "sampler")
@@ -391,6 +473,9 @@ class InstanceHost:
         kind = _case(_field(readout, "kind", "readout"), "readout kind", ("none", "argmax", "sample", "logits"))
         window = _u32(_field(geometry, "window", "geometry"), "geometry window")
         rows = list(_list(_field(readout, "rows", "readout"), "readout rows", _u32))
+        if len(rows) > self.limits.readout_rows:
+            raise BudgetExceeded(f"{len(rows)} readout rows in one pass, more than its limit of "
+                                 f"{self.limits.readout_rows} ({flag('readout_rows')})")
         if fold.tag == "constant":
             _u32(fold.payload, "fold constant")
         if kind.tag == "sample":
@@ -403,10 +488,9 @@ class InstanceHost:
             _list(embed, "embed tokens", _u32)
             if window != len(embed):
                 raise InvalidArgument(f"geometry window {window} differs from the {len(embed)} embedded tokens")
-            self.engine.check_ids(embed)
+            # the engine validates the ids (once) when it takes the pass
         if rounds is None and not from_channel and fold.tag != "from-channel" and call is None:
-            n = None if fold.tag == "all" else fold.payload
-            return Pass(ws, embed, rows, fold=n), kind
+            return Pass(ws, embed, rows, fold=Fold.ALL if fold.tag == "all" else fold.payload), kind
         if kind.tag != "none":
             raise InvalidArgument("a pass that runs an epilogue or reads a channel takes readout kind `none`; "
                                   "its epilogue consumes the outputs")
@@ -436,35 +520,39 @@ class InstanceHost:
         elif fold.tag == "from-epilogue" and not program.has_fold:
             raise InvalidArgument("fold from-epilogue, but the epilogue has no fold effect")
         # the loop records its rounds straight into the inferlet's draft statistics
+        rule = {"all": Fold.ALL, "from-channel": Fold.CHANNEL, "from-epilogue": Fold.EPILOGUE}.get(fold.tag, fold.payload)
         loop = DeviceLoop(ws, program, channels, src, max_window=window, rounds=rounds or 1, readout=rows,
-                          fold_channel=fold_channel, seed=seed, stats=self.draft_stats, on_round=self._count_round)
-        if fold.tag in ("all", "constant"):
-            loop.fixed_fold = -1 if fold.tag == "all" else fold.payload
+                          fold=rule, fold_channel=fold_channel, seed=seed, stats=self.draft_stats,
+                          on_round=self._count_round, hidden=program is not None and "hidden" in program.uses)
         return loop, kind
 
     def _count_round(self, loop: DeviceLoop, window: int, fold: int) -> None:
+        """After each round, on the compute thread: the round's time is charged to the CPU-time
+        budget (from the loop's previous round, or its start); past it, or cancelled, the loop ends."""
         self.passes += 1
+        now = time.perf_counter()
+        self.loop_time_s += now - self._loop_clock.get(id(loop), now)
+        self._loop_clock[id(loop)] = now
+        if self._over_cpu():
+            raise Cancelled(self.fatal)
 
     def execute(self, p: Record) -> Record:
         ps, kind = self._pass(p, None)
         if isinstance(ps, DeviceLoop):
             self._wait_loop(ps)
             return _record(tokens=[], logits=[], frozen=ps.ws.frozen)
+        # tokens are chosen on the compute thread right after the model call (on this inferlet
+        # thread a reduction over the vocabulary would also start a second OpenMP pool)
+        if kind.tag == "argmax":
+            ps.choose = argmax
+        elif kind.tag == "sample":
+            ps.choose = self.handles[kind.payload].sample
         out = self.scheduler.forward(ps)
         self.passes += 1
-        if ps.fold is not None and ps.fold < ps.window:  # the guest decides the fold later (commit)
+        if ps.fold is not Fold.ALL and ps.fold < ps.window:  # the guest decides the fold later (commit)
             self.draft_stats.drafted_window(ps.window)
-        tokens: list[int] = []
-        logits: list[float] = []
-        # reductions over the vocabulary run on the compute thread: on this inferlet thread they
-        # would start a second OpenMP pool and slow every model call (host/engine/compute.py)
-        if kind.tag == "argmax":
-            tokens = compute().call(argmax, out.logits)
-        elif kind.tag == "sample":
-            tokens = compute().call(self.handles[kind.payload].sample, out.logits)
-        elif kind.tag == "logits":
-            logits = out.logits.flatten().tolist()
-        return _record(tokens=tokens, logits=logits, frozen=ps.ws.frozen)
+        logits = out.logits.flatten().tolist() if kind.tag == "logits" else []
+        return _record(tokens=out.tokens or [], logits=logits, frozen=ps.ws.frozen)
 
     def commit(self, h: int, rows: int) -> None:
         self.engine.freeze_scratch(self._ws(h), _u32(rows, "rows"))
@@ -480,6 +568,7 @@ class InstanceHost:
             for ch in chans.values():
                 ch.detach_producer(err)
         loop.done.add_done_callback(ended)
+        self._loop_clock[id(loop)] = time.perf_counter()
         self.loops.append(loop)
         self.scheduler.start_loop(loop)
 
@@ -509,7 +598,7 @@ class InstanceHost:
         extra = set(chans) - set(prog.checked.channels)
         if extra:
             raise InvalidArgument(f"channel {sorted(extra)[0]!r} is bound but the epilogue does not declare it")
-        return self._add(_Registered(self, prog, chans))
+        return self._new(lambda: _Registered(self, prog, chans))
 
     def release_epilogue(self, h: int) -> None:
         self._get(h, _Registered, "epilogue")
@@ -521,10 +610,36 @@ class InstanceHost:
         loop, _ = self._pass(p, rounds)
         self._start(loop)
 
-    def stop_loops(self) -> None:
-        """End this instance's loops (the instance is finishing); the scheduler drops them."""
-        for loop in self.loops:
-            loop.finish(ChannelClosed("the inferlet ended while its loop was running"))
+    def stop_loops(self, error: Callable[[], PieError] | None = None) -> None:
+        """End this instance's loops (the instance is finishing, or cancelled); the scheduler drops them."""
+        for loop in list(self.loops):  # cancel may come from another thread
+            try:
+                loop.finish(error() if error else ChannelClosed("the inferlet ended while its loop was running"))
+            except InvalidStateError:  # the compute thread finished it meanwhile
+                pass
+
+
+# ---- the epoch callback: one C function for all stores, finding its instance by key -----------
+EPOCH_SLICE = 10  # epoch ticks of guest execution between checks of the budget and cancellation
+_EPOCH_KEYS = itertools.count(1)
+_EPOCH_LINKS: dict[int, "_Link"] = {}  # popped when the instance is released
+_DeadlineFn, _FinalizerFn = _bindings._wasmtime_store_epoch_deadline_callback.argtypes[1::2]
+_NO_FINALIZER = _FinalizerFn()  # a NULL function pointer
+
+
+@_DeadlineFn
+def _on_deadline(ctx, data, delta, kind):
+    try:
+        link = _EPOCH_LINKS.get(data)
+        check = link.fns.get("epoch") if link is not None else None
+        out = check() if check is not None else "the instance has ended"
+    except Exception as e:  # never raise through C
+        out = f"{Internal.code}: the epoch check failed: {type(e).__name__}: {e}"
+    if isinstance(out, str):  # trap with this message
+        return ctypes.cast(ffi.wasmtime_error_new(out.encode("utf-8")), ctypes.c_void_p).value
+    delta[0] = out
+    kind[0] = 0  # WASMTIME_UPDATE_DEADLINE_CONTINUE
+    return 0
 
 
 class _Link:

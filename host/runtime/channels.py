@@ -3,7 +3,8 @@
 A channel holds up to `capacity` cells in order. `put` appends, `read` copies without
 consuming, `take` consumes everything. A device loop registers itself as a producer with
 `attach_producer`; while one is attached, `take` on an empty open channel waits for cells.
-Device code appends with `put_tensor` and reads `view()` without a host round trip.
+Channel implements the device loop's contract, DeviceChannel (host/epilogue/env.py): its
+lock, lock order, `set_length` and `stream`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Channel:
         # the same memory as a numpy array where it is host memory: the device loop reads and
         # writes a few cells a round, and numpy's indexing costs a fraction of torch's
         self.host = self.buf.numpy() if self.buf.device.type == "cpu" else None
-        self.count = 0
+        self.length = 0  # cells in use
         self.closed = False
         self.producers = 0
         self.error: BaseException | None = None  # a failed producer's error, reported by take
@@ -47,18 +48,20 @@ class Channel:
         self._cv = threading.Condition()
 
     @property
-    def length(self) -> int:
-        """`count`, under the name the epilogue executor reads (a DeviceChannel)."""
-        return self.count
-
-    @property
     def lock(self) -> threading.Condition:
-        """Held by the device loop while its epilogue writes the buffer and `count`."""
+        """Held by a device loop for a round, and by every method here (see DeviceChannel)."""
         return self._cv
 
-    def notify(self) -> None:
-        with self._cv:
+    def set_length(self, n: int) -> None:
+        """The device loop's: after a round, `n` cells are in use (lock held)."""
+        if n and not self.length:  # only a take on an empty channel waits: wake it when cells arrive
             self._cv.notify_all()
+        self.length = n
+
+    def stream(self, cells: list) -> None:
+        """The device loop's: the round's new cells go to the sink, none stay (lock held)."""
+        self.length = 0
+        self.sink(cells)
 
     def _check_values(self, values: list) -> None:
         if self.element == "uint32" and any(v < 0 or v >= 1 << 32 for v in values):
@@ -74,37 +77,33 @@ class Channel:
         with self._cv:
             if self.closed:
                 raise ChannelClosed("the channel is closed")
-            if self.count + n > self.capacity:
-                raise ChannelFull(f"{n} cells do not fit: {self.count} of {self.capacity} are in use")
-            self.buf[self.count:self.count + n] = values.to(self.buf.device, self.buf.dtype)
-            self.count += n
+            if self.length + n > self.capacity:
+                raise ChannelFull(f"{n} cells do not fit: {self.length} of {self.capacity} are in use")
+            self.buf[self.length:self.length + n] = values.to(self.buf.device, self.buf.dtype)
+            self.length += n
             self._cv.notify_all()
 
     def read(self, start: int, count: int) -> list:
         with self._cv:
-            if start < 0 or count < 0 or start + count > self.count:
-                raise InvalidArgument(f"read [{start}, {start + count}) is past the {self.count} cells in the channel")
+            if start < 0 or count < 0 or start + count > self.length:
+                raise InvalidArgument(f"read [{start}, {start + count}) is past the {self.length} cells in the channel")
             return self.buf[start:start + count].tolist()
-
-    def view(self) -> torch.Tensor:
-        """The cells now in the channel, as a device tensor (no copy)."""
-        return self.buf[:self.count]
 
     def take(self, timeout: float | None = None) -> list:
         """All cells now in the channel; waits while it is empty and a producer is attached.
         Once empty, a failed producer's error is raised (after its cells were taken)."""
         with self._cv:
-            while self.count == 0 and not self.closed and self.producers > 0:
+            while self.length == 0 and not self.closed and self.producers > 0:
                 if not self._cv.wait(timeout):
                     break
-            if self.count == 0 and self.error is not None:
+            if self.length == 0 and self.error is not None:
                 raise self.error
-            values = self.buf[:self.count].tolist()
-            self.count = 0
+            values = self.buf[:self.length].tolist()
+            self.length = 0
             return values
 
     def __len__(self) -> int:
-        return self.count
+        return self.length
 
     def close(self) -> None:
         with self._cv:

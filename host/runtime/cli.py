@@ -1,4 +1,4 @@
-"""`pie run NAME_OR_WASM [--model MODEL] [--json] [-- ARGS...]`: run one inferlet in-process."""
+"""`pie run NAME_OR_WASM [--model MODEL] [--json] [LIMIT FLAGS] [-- ARGS...]`: run one inferlet in-process."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidArgument
+from .limits import add_flags, from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build" / "inferlets"
@@ -34,9 +35,7 @@ def _add_options(p) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print exactly one JSON object with text, token_ids and stats")
-    p.add_argument("--memory-mb", type=int, default=512, help="guest linear-memory limit (MiB)")
-    p.add_argument("--cpu-time", type=float, default=60.0, help="guest CPU-time limit (seconds)")
-    p.add_argument("--kv-share", type=float, default=0.5, help="most of the KV page pool one inferlet may hold (0..1]")
+    add_flags(p)  # the limits' flags: host/runtime/limits.py
 
 
 def add_run_parser(subparsers) -> None:
@@ -68,14 +67,12 @@ def _split_rest(args) -> list[str]:
 
 def cmd_run(args) -> int:
     from ..store import open_engine
-    from .runtime import Limits, Runtime
+    from .runtime import Runtime
 
     wasm = resolve_inferlet(args.inferlet)
     inferlet_args = _split_rest(args)
+    limits = from_args(args)  # checked before the model loads
     engine = open_engine(args.model, device=args.device, dtype=args.dtype)
-    if not 0 < args.kv_share <= 1:
-        raise InvalidArgument(f"--kv-share {args.kv_share} must be in (0, 1]")
-    limits = Limits(memory_bytes=args.memory_mb << 20, cpu_time_s=args.cpu_time, kv_share=args.kv_share)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with Runtime(engine, limits=limits) as rt:
         result = rt.run(wasm, inferlet_args, name=wasm.stem, on_text=on_text)

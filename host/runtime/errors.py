@@ -1,6 +1,6 @@
 """Errors of the runtime's own primitives, beside the engine's in host.errors."""
 
-from ..errors import PieError
+from ..errors import InvalidArgument, PieError
 
 
 class Unsupported(PieError):
@@ -19,3 +19,14 @@ class InferletError(PieError):
     """An inferlet could not be loaded or ended with an error (trap, limit, guest error)."""
 
     code = "inferlet-failed"
+
+
+class BudgetExceeded(InvalidArgument):
+    """A request past one of the instance's budgets (host/runtime/limits.py): the guest may
+    release something and retry, so it is the WIT's invalid-argument, naming the flag."""
+
+
+class Cancelled(PieError):
+    """The run was cancelled (Runtime.cancel, its wall-time or log limit): it ends at once."""
+
+    code = "cancelled"

@@ -27,9 +27,19 @@ _PRIMS = {"bool", "s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64", "f32", "
 
 
 @functools.lru_cache(maxsize=1)
+def _wit() -> tuple[dict, dict]:
+    return _parse(WIT.read_text())
+
+
 def declared() -> dict[str, dict[str, tuple]]:
     """interface -> function -> (param types, result type or None), from wit/inferlet.wit."""
-    return _parse(WIT.read_text())
+    return _wit()[1]
+
+
+def error_codes() -> tuple[str, ...]:
+    """The cases of the WIT's `error-code` enum: the codes a host function may return."""
+    kind, names = _wit()[0]["types"]["error-code"]
+    return names
 
 
 def _parse(text: str) -> dict:
@@ -154,7 +164,7 @@ def _parse(text: str) -> dict:
                 result = ty()
             take(";")
             funcs[iface][t] = (tuple(params), result)
-    return funcs
+    return named, funcs
 
 
 def _of(v) -> object:

@@ -8,6 +8,7 @@ instances go through one Scheduler, which batches them into shared model calls.
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 import threading
@@ -26,13 +27,7 @@ from . import imports
 from .bindings import InstanceHost
 from .cache import ComponentCache
 from .errors import InferletError
-
-
-@dataclass
-class Limits:
-    memory_bytes: int = 512 << 20  # linear memory of the whole store; componentize-py's CPython needs ~40 MiB
-    cpu_time_s: float = 60.0  # guest execution time, not counting time blocked in host calls
-    kv_share: float = 0.5  # the most of the KV page pool one instance's working sets may hold
+from .limits import Limits, flag
 
 
 @dataclass
@@ -60,6 +55,13 @@ class RunHandle:
     def __init__(self):
         self.thread: threading.Thread | None = None
         self._result: RunResult | None = None
+        self._cancel: Callable[[str], None] | None = None  # cleared when the run ends: it reaches the instance
+
+    def cancel(self, reason: str = "the run was cancelled") -> None:
+        """End the run: its loops stop, its pages are freed, it fails with `cancelled: reason`."""
+        cancel = self._cancel
+        if cancel is not None:
+            cancel(reason)
 
     def result(self, timeout: float | None = None) -> RunResult:
         self.thread.join(timeout)
@@ -83,12 +85,35 @@ class Runtime:
         self.scheduler = scheduler or Scheduler(engine)
         self.epoch_tick_s = epoch_tick_s
         self._stop = threading.Event()
+        self._live: dict[int, tuple] = {}  # id(host) -> (host, wall deadline, log path, limits): the watchdog's
+        self._live_lock = threading.Lock()
         self._ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self._ticker.start()
 
     def _tick(self) -> None:
         while not self._stop.wait(self.epoch_tick_s):
             self.wasm_engine.increment_epoch()
+            try:
+                self._watch()
+            except Exception:  # the ticker must keep ticking: every store's CPU-time check needs it
+                pass
+
+    def _watch(self) -> None:
+        """Cancel the instances past their wall time or writing past their log limit."""
+        with self._live_lock:
+            live = list(self._live.values())
+        now = time.perf_counter()
+        for host, deadline, log_path, limits in live:
+            if now > deadline:
+                host.cancel(f"the inferlet exceeded its wall-time limit of {limits.wall_time_s:g} s "
+                            f"({flag('wall_time_s')})")
+            elif log_path is not None and _size(log_path) > limits.log_bytes:
+                host.cancel(f"the inferlet wrote more than {limits.log_bytes} bytes to stdout/stderr "
+                            f"({flag('log_bytes')})")
+
+    def cancel(self, handle: "RunHandle", reason: str = "the run was cancelled") -> None:
+        """End a running instance (see RunHandle.cancel); a finished one is left as it is."""
+        handle.cancel(reason)
 
     def close(self) -> None:
         self._stop.set()
@@ -124,8 +149,9 @@ class Runtime:
         name = name or (Path(wasm).stem if isinstance(wasm, (str, Path)) else "inferlet")
         limits = limits or self.limits
         host = InstanceHost(self.engine, self.scheduler, list(args), limits.cpu_time_s, self.epoch_tick_s, on_text,
-                            kv_quota=self.engine.pool.quota(limits.kv_share))
+                            kv_quota=self.engine.pool.quota(limits.kv_share), limits=limits)
         handle = RunHandle()
+        handle._cancel = host.cancel
 
         def target() -> None:
             try:
@@ -133,6 +159,8 @@ class Runtime:
             except Exception as e:  # a host bug: this run fails, the caller is not left waiting
                 handle._result = RunResult(name, self.engine.info.name, False,
                                            f"internal error: {type(e).__name__}: {e}", "", [], {})
+            finally:
+                handle._cancel = None
 
         handle.thread = threading.Thread(target=target, name=f"inferlet-{name}", daemon=True)
         handle.thread.start()
@@ -147,20 +175,26 @@ class Runtime:
         with tempfile.TemporaryDirectory(prefix="pie-run-") as tmp:
             log_path = Path(tmp) / "log"
             log_path.touch()
+            with self._live_lock:
+                self._live[id(host)] = (host, t0 + limits.wall_time_s, log_path, limits)
             try:
                 component = self.load(wasm)
                 self._instantiate_and_run(component, host, limits, log_path)
+                if host.fatal is not None:  # cancelled, or past a budget, and then returned
+                    error = host.fatal
             except InferletError as e:
                 error = str(e)
             except PieError as e:
                 error = f"{e.code}: {e}"
             except wasmtime.WasmtimeError as e:
-                error = self._explain_trap(e, host, limits, log_path.read_text("utf-8", "replace"))
+                error = self._explain_trap(e, host, limits, _tail(log_path, limits.log_bytes))
             except Exception as e:  # a host bug: report it as this run's failure, never hang the caller
                 error = f"internal error: {type(e).__name__}: {e}"
             finally:
+                with self._live_lock:
+                    self._live.pop(id(host), None)
                 host.release_all()
-            log = log_path.read_text("utf-8", "replace")
+            log = _tail(log_path, limits.log_bytes)  # never the whole file: the guest chose its size
         try:
             host.finish_output()
             text = host.text
@@ -174,7 +208,7 @@ class Runtime:
 
     def _instantiate_and_run(self, component, host: InstanceHost, limits: Limits, log_path: Path) -> None:
         store = wasmtime.Store(self.wasm_engine)
-        store.set_limits(memory_size=limits.memory_bytes)
+        store.set_limits(**limits.store_limits())
         wasi = wasmtime.WasiConfig()  # no preopens, no env, no network, no inherited stdio
         wasi.argv = ["inferlet"]
         # stdio goes to a file written by wasmtime itself: a Python callback could be called from
@@ -182,7 +216,7 @@ class Runtime:
         wasi.stdout_file = str(log_path)
         wasi.stderr_file = str(log_path)
         store.set_wasi(wasi)
-        store.set_epoch_deadline(max(1, int(limits.cpu_time_s / self.epoch_tick_s)))
+        host.watch_epochs(store)  # the CPU-time budget and cancellation, checked as the guest runs
         linker = Linker(self.wasm_engine)
         linker.add_wasip2()
         host.link(linker)
@@ -209,6 +243,8 @@ class Runtime:
             return f"the inferlet exceeded its CPU-time limit of {limits.cpu_time_s:g} s and was stopped"
         if "MemoryError" in guest_log or "memory" in text.lower() and "out of bounds" not in text:
             return f"the inferlet exceeded its memory limit of {limits.memory_bytes >> 20} MiB and was stopped"
+        if "resource limit exceeded" in text:  # a store limit: too many tables, elements, instances
+            return f"the inferlet exceeded a store limit and was stopped: {text.strip().splitlines()[0]}"
         return f"the inferlet trapped: {_trap_detail(guest_log, text)}"
 
     def _stats(self, host: InstanceHost, wall: float) -> dict:
@@ -225,6 +261,23 @@ class Runtime:
             "wall_s": round(wall, 4),
             "tokens_per_s": round(generated / wall, 3) if wall > 0 else 0.0,
         }
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _tail(path: Path, limit: int) -> str:
+    """The last `limit` bytes of the guest's log, marked as cut when it is longer."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - limit))
+        data = f.read(limit)
+    text = data.decode("utf-8", "replace")
+    return text if size <= limit else f"[{size - limit} bytes of guest output left out]\n{text}"
 
 
 _PY_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")

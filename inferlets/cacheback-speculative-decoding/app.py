@@ -1,6 +1,6 @@
 """cacheback-speculative-decoding: prompt-lookup speculative decoding entirely on the device.
 
-The guest prefills prompt[:-1], traces the Cacheback program (`inferlet.speculative`:
+The guest prefills prompt[:-1], traces the Cacheback program (`inferlet.cacheback`:
 verify the window [t0, d1..dK] against the target, append the committed tokens to "out",
 fold 1 + accepted rows, draft the next window by prompt lookup / an LRU n-gram table, stop
 at EOS or max-tokens), and starts one looping pass whose window comes from the program's
@@ -12,7 +12,7 @@ import wit_world
 from componentize_py_types import Err
 from inferlet import (Channel, ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, emit_channel,
                       parse_generation_args)
-from inferlet import speculative
+from inferlet import cacheback
 
 # ngram-min 2: single-token matches propose drafts nearly every round and are mostly wrong, and
 # verifying any draft costs a step (a 2-row pass ~1.2x a 1-row pass on a CPU, 9 rows ~1.4x).
@@ -34,7 +34,7 @@ def generate(args) -> None:
     if len(prompt) > 1:
         ForwardPass(ws, prompt[:-1]).execute()  # fold all; prompt[-1] is the first window's t0
     try:
-        program, specs = speculative.cacheback_program(
+        program, specs = cacheback.cacheback_program(
             prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
             lookup_window=max(LOOKUP_WINDOW, 2 * K + 2))

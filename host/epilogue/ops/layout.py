@@ -58,7 +58,8 @@ define("index", F, args=1, attrs={"i": Attr("int"), "axis": Attr("int", 0)}, inf
        kernel=lambda ctx, op, a: [a[0].select(op.attrs["axis"] + 1, op.attrs["i"])],
        # a cell of a vector in host memory, read as a Python scalar (no select, no tolist)
        variants=(Variant((ARRAY,), (HOST,), lambda ctx, op, a: [a.item(b, op.attrs["i"]) for b in range(len(a))],
-                         host_memory=True, when=_scalar_of_vector, ctx=False),),
+                         host_memory=True, when=_scalar_of_vector, ctx=False,
+                         inline=lambda op: "{0}.item(0, %d)" % op.attrs["i"]),),
        doc="`index(x; i, axis=0)`: a static index (negative from the end), removing the axis.")
 
 

@@ -44,7 +44,7 @@ _reduction("argmax", ("i64", "f32"), lambda x, d: argmax(x, d),
            "`argmax(x; axis=-1)` -> i64: the index of the largest (the first on ties; a NaN counts as the largest).",
            # numpy's, on a readout in host memory: no tensor made (a greedy round makes none)
            (Variant((ARRAY,), (ARRAY,), lambda ctx, op, a: argmax_np(a, op.attrs["axis"] + 1), host_memory=True,
-                    ctx=False),))
+                    ctx=False, inline=lambda op: "{0}.argmax(axis=%d)" % (op.attrs["axis"] + 1)),))
 _reduction("argmin", ("i64", "f32"), lambda x, d: torch.argmin(x, dim=d),
            "`argmin(x; axis=-1)` -> i64: the index of the smallest (the first on ties).")
 _reduction("any", ("bool",), lambda x, d: torch.any(x, dim=d), "`any(x; axis=-1)`: some element is true (bool).")

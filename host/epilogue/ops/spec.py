@@ -42,7 +42,10 @@ class Variant:
     fn(ctx, op, *args) -> the results in the forms of `gives` (a tuple when several); ctx is the
     kernels' Ctx where `ctx` is true, else None (making one costs more than a small op).
     host_memory: only where the host reads the device's memory (the CPU).
-    when(values, op): a static condition on the op's types, if any."""
+    when(values, op): a static condition on the op's types, if any.
+    inline(op) -> the same as a Python expression over the operands {0}, {1}, ... for one pass
+    (B = 1), or None: a plan writes it in place of the call (after a model call, every call
+    frame costs several times what it costs warm)."""
 
     takes: tuple[str, ...]
     gives: tuple[str, ...]
@@ -50,6 +53,7 @@ class Variant:
     host_memory: bool = False
     when: Callable | None = None
     ctx: bool = True
+    inline: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -58,17 +58,15 @@ def run(mode: str) -> None:
                                 '"ops": [{"op": "frobnicate", "args": [0]}]}', {})
     if mode == "epilogue-handle":
         ForwardPass(ws, [1], StateGeometry(1, "epilogue"), epilogue=Epilogue(7)).execute()
-    if mode in ("loop-hidden", "loop-emit-negative"):  # a device loop whose epilogue fails
+    if mode in ("loop-dims", "loop-emit-negative"):  # a device loop whose epilogue fails
         out, window = Channel("u32", 64), Channel("u32", 1)
         window.put([1])
-        p = Program(readout=1)
+        p = Program(readout=1, vocab=7 if mode == "loop-dims" else None)  # loop-dims: not the model's
         p.channel("out", "i64", 64)
         p.channel("window", "i64", 1)
         tok = p.logits().argmax()
         p.set("window", tok)
-        if mode == "loop-hidden":  # the pass gives no hidden state
-            p.stop_if(p.hidden()[0, 0] > 1e30)
-        else:  # -1 from the fourth round on, into a channel the host decodes
+        if mode == "loop-emit-negative":  # -1 from the fourth round on, into a channel the host decodes
             tok = p.where(p.round() < 3, tok, -1)
         p.put("out", tok)
         emit_channel(out)
@@ -76,6 +74,23 @@ def run(mode: str) -> None:
         ForwardPass(ws, window, StateGeometry(1), readout=[0], epilogue=ep).run_loop(40)
         while out.take():
             pass
+        return
+    if mode == "print":  # guest stdout without end
+        line = "x" * 1023
+        while True:
+            print(line)
+    if mode == "endless-loop":  # a device loop of 2^32-1 rounds; the guest waits on a channel it never fills
+        quiet, window = Channel("u32", 1), Channel("u32", 1)
+        window.put([1])
+        p = Program(readout=1)
+        p.channel("quiet", "i64", 1)
+        p.channel("window", "i64", 1)
+        p.set("window", p.logits().argmax())
+        ep = model.register_epilogue(p.to_json(), {"quiet": quiet, "window": window})
+        # fold 0: the row is scratch each round, so the loop holds one page however long it runs
+        ForwardPass(ws, window, StateGeometry(1, 0), readout=[0], epilogue=ep).run_loop((1 << 32) - 1)
+        send("looping")
+        quiet.take()
         return
     if mode == "channels":
         ch = Channel("u32", 8)

@@ -1,0 +1,198 @@
+"""The Cacheback speculative-decoding round as one epilogue (a device program), and its draft gate.
+
+Pure Python (runs inside the Wasm component): only the epilogue tracer.
+
+`cacheback_program` traces the whole speculative round into one epilogue, so the host
+fires the pass round after round with no guest call: verify the window [t0, d1..dk]
+against the target (greedy, or Leviathan rejection sampling), append the committed
+tokens to "out" (cut after the first EOS and at max_tokens), fold 1 + accepted rows,
+then draft the next window by prompt lookup over the last `lookup_window` tokens,
+falling back to an LRU n-gram table that holds what fell out of that window.
+"""
+
+from . import trace
+from .reference import lru_lookup, lru_update, ngram_lookup
+
+
+GATE_INIT, GATE_OPEN = 1000, 400  # the acceptance estimate, in thousandths of a token
+
+
+def draft_gate(state, drafted, accepted, K, probe_after=4, probe_max=32):
+    """The device program's draft-length rule on plain ints (the reference; tests replay it).
+
+    state = [estimate, idle, wait, whole]: estimate = a moving average (weight 1/4) of the
+    drafts accepted per round that drafted, in thousandths. While it is at least GATE_OPEN the
+    next round drafts; below that, drafting stops, and after `wait` rounds one probe round
+    drafts again; a probe that fails doubles `wait` (up to probe_max), so a text that never
+    matches pays for ever fewer probes. Rounds without a candidate (drafted == 0) move nothing.
+    whole = 1 when the last round that drafted had all its drafts accepted: only then does the
+    next draft take all K tokens; otherwise (also the first draft and probes) it takes
+    short_draft(K): every rejected row costs a share of a pass, and replayed on the dev
+    prompts' greedy outputs, the rows this saves outweigh the accepted drafts it gives up.
+    Returns (new state, next draft length)."""
+    e, idle, wait, whole = state
+    if drafted:
+        e = e - e // 4 + 250 * accepted
+        whole = int(accepted == drafted)
+    k = K if whole else short_draft(K)
+    if e >= GATE_OPEN:
+        return [e, 0, probe_after, whole], k
+    if drafted and idle < 0:
+        wait = min(wait * 2, probe_max)
+    idle = 1 if idle < 0 else idle + 1
+    if idle >= wait:
+        return [e, -1, wait, whole], k
+    return [e, idle, wait, whole], 0
+
+
+def short_draft(K):
+    """The draft length after a draft that was not accepted whole: half of K, rounded up."""
+    return (K + 1) // 2
+
+
+# --- the device program ------------------------------------------------------------
+
+def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
+                      temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
+                      probe_after=4, probe_max=32, verify=None, start=None):
+    """Trace the Cacheback speculative-decoding epilogue.
+
+    The guest commits prompt[:-1] to the working set first, then loops a pass whose
+    window comes from channel "window" with readout on every row and the fold from the
+    program. Returns (json_text, channels): channels is a list of dicts {name, dtype,
+    capacity, init} for the host to create ("out", "window", and the program's state).
+
+    The draft length follows `draft_gate` (probe_after, probe_max).
+    temperature <= 0 is greedy. verify(p, drafts, probs, seed) -> (accepted, tokens, count)
+    replaces the rejection rule (default p.verify_sample) for sampled runs.
+    start: the working set's frozen length when the loop starts (default len(prompt) - 1).
+    The tokens produced so far are counted as history length - start (every round folds
+    exactly what it emits until the last), not as the length of "out": the guest takes
+    (removes) cells from "out" while the loop runs.
+    """
+    K, g, Lw, S = int(draft_len_max), int(lru_ngram), int(lookup_window), int(lru_size)
+    prompt = [int(x) for x in prompt]
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    if K < 0 or max_tokens < 1 or not 1 <= ngram_min <= ngram_max or S < 0 or g < 1 or not 1 <= probe_after <= probe_max:
+        raise ValueError("need draft_len_max >= 0, max_tokens >= 1, 1 <= ngram_min <= ngram_max, "
+                         "lru_size >= 0, lru_ngram >= 1, 1 <= probe_after <= probe_max")
+    if K and Lw < 2 * K + g:
+        raise ValueError("lookup_window must be >= 2*draft_len_max + lru_ngram (the LRU update reads "
+                         "followers of the leaders leaving the window from the history)")
+    if not 0 < top_p <= 1:
+        raise ValueError("top_p must be in (0, 1]")
+    base = len(prompt) - 1 if start is None else int(start)
+    # The LRU table holds leaders that left the lookup window: none can while the whole
+    # history (at most base + max_tokens tokens) fits in it, so the table is left out.
+    use_lru = K > 0 and S > 0 and base + max_tokens > Lw
+
+    p = trace.Program(readout="window")
+    p.channel("out", "i64", max_tokens)
+    p.channel("window", "i64", K + 1)
+    logits, win = p.logits(), p.window()
+    drafts = win[1:]
+
+    # Verify: n accepted drafts, vt = the committed tokens (accepted drafts, then the target's).
+    if temperature <= 0:
+        n, vt, cnt = p.verify_greedy(drafts, logits.argmax())
+    else:
+        x = logits if temperature == 1.0 else logits / float(temperature)
+        if top_p < 1.0:
+            x = x.top_p(top_p)
+        rule = verify or (lambda prog, d, probs, s: prog.verify_sample(d, probs, seed=s))
+        n, vt, cnt = rule(p, drafts, x.softmax(), seed)
+
+    # Output: cut after the first EOS and at max_tokens in total.
+    out_len = p.history().size() - base
+    room = p.maximum(max_tokens - out_len, 0)
+    j = p.arange("W")
+    hit = j < 0  # all false, [W]
+    for e in eos_ids:
+        hit = hit | (vt == int(e))
+    hit = hit & (j < cnt)
+    any_eos = hit.any()
+    emit = p.minimum(p.where(any_eos, hit.cast("i64").argmax() + 1, cnt), room)
+    p.put("out", vt, emit)
+    # t0 plus the accepted drafts, fewer when the output was cut (the rows before the last emitted token).
+    fold = p.minimum(n + 1, p.maximum(emit, 1))
+    p.fold(fold)
+    p.stop_if(any_eos | (out_len + emit >= max_tokens))
+
+    t0 = p.dyn_slice(vt, n, 1, size=1)  # the target's token: next round's t0
+    state = None
+    if K == 0:
+        p.set("window", t0)
+    else:
+        cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru)
+        k_gate = _gate(p, drafts.size(), n, K, int(probe_after), int(probe_max))
+        k_next = p.minimum(p.minimum(cand_n, k_gate), p.maximum(max_tokens - out_len - emit - 1, 0))
+        p.set("window", p.concat(t0, cand), k_next + 1)
+
+    return p.to_json(), _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, int(probe_after))
+
+
+def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
+    """Next drafts: prompt lookup over the last Lw history tokens + t0 + this round's tokens,
+    else the LRU table; and the table update with the leaders leaving the lookup window."""
+    hist = p.history()
+    N = hist.size()
+    hl = p.minimum(N, Lw)
+    ctx = p.pack(p.dyn_slice(hist, N - hl, hl, size=Lw), hl, p.concat(win[:1], vt), cnt + 1, size=Lw + K + 2)
+    ctx_len = hl + cnt + 1
+    cand, cand_n = p.ngram_lookup(ctx, K, ngram_min, ngram_max, length=ctx_len)
+    if not use_lru:
+        return cand, cand_n
+    p.channel("lru_table", "i64", S * (g + K))
+    p.channel("lru_stamps", "i64", S)
+    table, stamps = p.read("lru_table"), p.read("lru_stamps")
+    lt, ln = p.lru_lookup(table, stamps, p.dyn_slice(ctx, ctx_len - g, g, size=g), g, K)
+    found = cand_n > 0
+    cand, cand_n = p.where(found, cand, lt), p.where(found, cand_n, ln)
+    # History grows by `fold`: the leaders starting at [N-Lw, N-Lw+fold) leave the lookup window.
+    span = fold + (g + K - 1)
+    seq = p.dyn_slice(hist, N - Lw, span, size=K + 1 + g + K - 1)
+    t2, s2 = p.lru_update(table, stamps, seq, span, fold, g, K)
+    p.set("lru_table", t2)
+    p.set("lru_stamps", s2)
+    return cand, cand_n
+
+
+def _gate(p, d, n, K, probe_after, probe_max):
+    """draft_gate on the device: channel "spec_state" holds [estimate, idle, wait, whole];
+    d drafts went into this round, n were accepted. Returns the next round's draft length."""
+    p.channel("spec_state", "i64", 4)
+    st = p.read("spec_state")
+    e, idle, wait, whole = st[0], st[1], st[2], st[3]
+    drafted = d > 0
+    e = p.where(drafted, e - e // 4 + n * 250, e)
+    whole = p.where(drafted, (n == d).cast("i64"), whole)
+    is_open = e >= GATE_OPEN
+    probed = idle < 0
+    wait = p.where(is_open, probe_after, p.where(drafted & probed, p.minimum(wait * 2, probe_max), wait))
+    idle = p.where(is_open, 0, p.where(probed, 1, idle + 1))
+    probe = ~is_open & (idle >= wait)
+    j = p.arange(4)
+    p.set("spec_state", p.where(j == 0, e, p.where(j == 1, p.where(probe, -1, idle),
+                                                     p.where(j == 2, wait, whole))))
+    return p.where(is_open | probe, p.where(whole > 0, K, short_draft(K)), 0)
+
+
+def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, probe_after):
+    """Channel specs with initial contents: the first window drafts from the prompt too."""
+    hist = prompt[:-1]
+    chans = [{"name": "out", "dtype": "i64", "capacity": max_tokens, "init": []}]
+    drafts = []
+    if K:
+        ctx = hist[-Lw:] + prompt[-1:]
+        drafts = ngram_lookup(ctx, K, ngram_min, ngram_max)
+        if use_lru:
+            table, stamps = lru_update([-1] * (S * (g + K)), [-1] * S, hist, len(hist), len(hist) - Lw, g, K)
+            if not drafts:
+                drafts = lru_lookup(table, stamps, ctx[-g:], g, K)
+            chans += [{"name": "lru_table", "dtype": "i64", "capacity": S * (g + K), "init": table},
+                      {"name": "lru_stamps", "dtype": "i64", "capacity": S, "init": stamps}]
+        chans.append({"name": "spec_state", "dtype": "i64", "capacity": 4, "init": [GATE_INIT, 0, probe_after, 0]})
+    drafts = drafts[:max(min(short_draft(K), max_tokens - 1), 0)]  # the gate's first draft length
+    chans.insert(1, {"name": "window", "dtype": "i64", "capacity": K + 1, "init": prompt[-1:] + drafts})
+    return chans
