@@ -323,15 +323,15 @@ def test_batched_equals_unbatched_and_groups_by_shape():
 
 
 @covers('rand')
-def test_sampling_deterministic_per_seed_and_round():
+def test_sampling_deterministic_per_seed_and_position():
     p = Program()
     t = p.sample(p.logits(), seed=1)
     r = p.rand([3], seed=2)
     lg = torch.zeros(64, 50)
-    a = values(p, t, r, logits=lg, seed=5, round=2)
-    b = values(p, t, r, logits=lg, seed=5, round=2)
-    c = values(p, t, r, logits=lg, seed=5, round=3)
-    d = values(p, t, r, logits=lg, seed=6, round=2)
+    a = values(p, t, r, logits=lg, seed=5, position=2)
+    b = values(p, t, r, logits=lg, seed=5, position=2, round=9)  # the round does not matter
+    c = values(p, t, r, logits=lg, seed=5, position=3)
+    d = values(p, t, r, logits=lg, seed=6, position=2)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], c[0]) and not torch.equal(a[0], d[0])
 

@@ -58,10 +58,12 @@ def test_sampler_is_seeded_and_respects_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     a = Sampler(1.0, 1.0, 7)
     b = Sampler(1.0, 1.0, 7)
-    assert [a.sample(logits)[0] for _ in range(50)] == [b.sample(logits)[0] for _ in range(50)]
+    draws = [a.sample(logits, pos)[0] for pos in range(50)]
+    assert draws == [b.sample(logits, pos)[0] for pos in range(50)]  # keyed by (seed, position)
+    assert len(set(draws)) > 1 and draws != [Sampler(1.0, 1.0, 8).sample(logits, pos)[0] for pos in range(50)]
     nucleus = Sampler(1.0, 0.5, 3)  # token 0 alone holds > 50% of the mass
-    assert {nucleus.sample(logits)[0] for _ in range(50)} == {0}
-    assert Sampler(0.0, 1.0, 0).sample(logits) == argmax(logits) == [0]
+    assert {nucleus.sample(logits, pos)[0] for pos in range(50)} == {0}
+    assert Sampler(0.0, 1.0, 0).sample(logits, 0) == argmax(logits) == [0]
     with pytest.raises(InvalidArgument):
         Sampler(-1.0, 1.0, 0)
     with pytest.raises(InvalidArgument):
@@ -110,3 +112,23 @@ def test_error_codes_are_declared_once_and_match_the_wit():
     # errors of the host's own commands and of a run as a whole, never returned to a guest
     assert host_only == {"model-not-found", "import-failed", "inferlet-failed", "cancelled"}, host_only
     assert WIT_ERROR_CODES == set(error_codes())
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 1.0), (0.7, 0.9), (1.3, 0.5)])
+def test_the_sampler_draws_what_a_traced_sample_draws(temperature, top_p):
+    """One sampling rule: the host's Sampler (a guest-driven decode) and the epilogue's traced
+    p.sample (a device loop) give the same token for the same seed and position."""
+    from guest import trace
+    from host.epilogue import Env, SimpleChannel, compile_program
+
+    p = trace.Program(readout=1)
+    p.channel("out", "i64", 1)
+    p.put("out", p.sample(p.logits(), temperature=temperature, top_p=top_p if top_p < 1 else None))
+    prog = compile_program(p.to_json())
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        logits = torch.randn(1, 300, generator=g) * 3
+        seed, position = 11 + trial % 3, 5 * trial
+        out = SimpleChannel.empty(1)
+        prog.run([Env(logits=logits.clone(), channels={"out": out}, seed=seed, position=position)])
+        assert out.buf.tolist() == Sampler(temperature, top_p, seed).sample(logits, position), trial

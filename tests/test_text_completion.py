@@ -144,6 +144,17 @@ def test_seeded_sampling_repeats_exactly(runtime, text_completion_wasm):
     assert other.token_ids != a.token_ids  # a different seed draws differently
 
 
+@pytest.mark.parametrize("sampled", [SAMPLED, ("--temperature", "0.7", "--seed", "5")])
+def test_seeded_sampling_is_the_same_in_the_guest_and_device_loops(runtime, text_completion_wasm, sampled):
+    """One sampling rule, draws keyed by seed and position: the guest's sampler (one pass per
+    token) and the device loop's epilogue draw the same tokens."""
+    prompt = dev_prompts()[1]["prompt"]
+    guest = runtime.run(text_completion_wasm, _args(prompt, 24, *sampled, "--loop", "guest"))
+    device = runtime.run(text_completion_wasm, _args(prompt, 24, *sampled, "--loop", "device"))
+    assert guest.ok and device.ok, (guest.error, device.error)
+    assert guest.token_ids == device.token_ids and len(guest.token_ids) > 4
+
+
 def test_concurrent_instances_get_the_same_tokens_as_alone(runtime, text_completion_wasm):
     prompts = [p["prompt"] for p in dev_prompts()[:4]]
     runs = [_args(prompts[0], 20), _args(prompts[1], 20, *SAMPLED), _args(prompts[2], 20),

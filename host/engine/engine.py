@@ -56,8 +56,8 @@ class Pass:
     tokens: the window's ids (a list, or an int64 tensor on the model's device).
     readout: window rows whose logits (and hidden state) are returned.
     fold: rows frozen after the pass: a count, or Fold.ALL.
-    choose: picks a token per readout row from the logits (argmax, a sampler) on the compute
-    thread, right after the model call, before the caller is woken (PassOutput.tokens).
+    choose(logits, first_position): picks a token per readout row (argmax, a sampler) on the
+    compute thread, right after the model call, before the caller is woken (PassOutput.tokens).
     """
 
     ws: WorkingSet
@@ -65,7 +65,7 @@ class Pass:
     readout: list[int]
     fold: int | Fold = Fold.ALL
     hidden: bool = False
-    choose: Callable[[torch.Tensor], list[int]] | None = None
+    choose: Callable[[torch.Tensor, int], list[int]] | None = None
     window: int = field(init=False)  # len(tokens), read many times a step (a tensor's len is slow)
 
     def __post_init__(self):

@@ -140,8 +140,8 @@ class DeviceLoop:
             pass
 
 
-def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], device,
-                  device_type: str) -> list:
+def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], firsts: list[int],
+                  device, device_type: str) -> list:
     """Run each loop's epilogue on its pass's outputs; channels are written in place on the device.
     Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device
     values), or the PieError that ends that loop alone."""
@@ -151,7 +151,7 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
     # One run per program and pass shape, as the executor batches them anyway: a run that raises
     # then wrote no other shape's channels, and its passes are retried one by one.
     groups: dict[tuple, list[int]] = {}
-    for i, (loop, ps, out) in enumerate(zip(loops, passes, outs)):
+    for i, (loop, ps, out, first) in enumerate(zip(loops, passes, outs, firsts)):
         if loop.program is None:
             continue
         hist = None
@@ -164,8 +164,8 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
             else:
                 window, window_len = None, ps.window
         logits = out.logits.numpy() if host else out.logits
-        envs[i] = Env(logits=logits, window=window, history=hist, hidden=out.hidden,
-                      channels=loop.channels, seed=loop.seed, round=loop.round, window_len=window_len)
+        envs[i] = Env(logits=logits, window=window, history=hist, hidden=out.hidden, channels=loop.channels,
+                      seed=loop.seed, round=loop.round, window_len=window_len, position=first)
         key = (id(loop.program), out.logits.shape[0], ps.window, None if hist is None else hist.shape[0],
                out.hidden is None)
         groups.setdefault(key, []).append(i)

@@ -135,7 +135,7 @@ class Scheduler:
                     eng.commit_known(ps, first)
                     if ps.choose is not None:  # here, where the logits are: no second hop for it
                         try:
-                            out.tokens = ps.choose(out.logits)
+                            out.tokens = ps.choose(out.logits, first)
                         except Exception as e:
                             fut.set_exception(detached(unexpected("choosing the pass's tokens", e)))
                             continue
@@ -161,8 +161,8 @@ class Scheduler:
         for lk in locks:
             lk.acquire()
         try:
-            results = run_epilogues(loops, [r[1] for r in ran], [r[3] for r in ran], self.engine.device,
-                                    self.engine.device_type)
+            results = run_epilogues(loops, [r[1] for r in ran], [r[3] for r in ran], [r[2] for r in ran],
+                                    self.engine.device, self.engine.device_type)
             alive = []
             for r, res in zip(ran, results):
                 if isinstance(res, PieError):

@@ -95,6 +95,7 @@ class Env:
     seed: int = 0
     round: int = 0
     window_len: int | None = None
+    position: int = 0  # the absolute position of the window's first row: random draws are keyed by it
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What the ops' torch kernels share: the batched context they run in, dtypes and fills,
-seeded uniforms, the exponential race, and a fast argmax.
+seeded uniforms (keyed by seed and position), the exponential race, and a fast argmax.
 
 Every runtime value carries a leading batch dim B (passes of several working
 sets running the same program). Axis attrs in the IR are for the unbatched
@@ -9,6 +9,7 @@ No kernel reads a tensor back to the host: lengths and counts stay on the device
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,12 +29,32 @@ def _splitmix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def row_seed(seed: int, rnd: int, op_index: int, salt: int) -> int:
-    """Generator seed for one row of one sampling op: a host-side hash of host ints (no sync)."""
+class Stream(enum.IntEnum):
+    """Which kind of draw a set of uniforms is for: draws of different kinds never coincide."""
+
+    SAMPLE = 1  # a categorical sample (the `sample` op, and the host's Sampler)
+    RAND = 2  # the `rand` op
+    VERIFY_ACCEPT = 3  # verify_sample's accept tests
+    VERIFY_RESIDUAL = 4  # verify_sample's draw from the residual (or bonus) distribution
+
+
+def draw_seed(seed: int, position: int, stream: Stream, salt: int) -> int:
+    """The generator seed of one draw: a host-side hash of host ints (no sync). A draw is keyed
+    by the run's seed, the absolute position of the first row of the pass's window, its kind
+    and the op's own seed, so it does not depend on how a sequence was split into passes or
+    rounds, nor on which other passes share the batch: a guest-driven decode step and a device
+    loop's round at the same position draw the same uniforms."""
     h = 0
-    for part in (seed, rnd, op_index, salt):
+    for part in (seed, position, int(stream), salt):
         h = _splitmix(h ^ (part & _MASK64))
     return h & ((1 << 63) - 1)
+
+
+def uniforms(seed: int, position: int, stream: Stream, salt: int, shape: list[int], device) -> torch.Tensor:
+    """`shape` uniforms in [0, 1), from the generator draw_seed names."""
+    g = torch.Generator(device=device)
+    g.manual_seed(draw_seed(seed, position, stream, salt))
+    return torch.rand(shape, generator=g, device=device, dtype=torch.float32)
 
 
 @dataclass
@@ -42,21 +63,15 @@ class Ctx:
     device: torch.device
     bind: dict[str, int]
     seeds: list[int]
-    rounds: list[int]
+    positions: list[int]  # per pass: the absolute position of its window's first row
     values: list[Value]
 
     def shape(self, v: Value) -> list[int]:
         return [d.resolve(self.bind) for d in v.shape]
 
-    def uniforms(self, op_index: int, salt: int, shape: list[int]) -> torch.Tensor:
-        """[B, *shape] uniforms in [0, 1); row b drawn from its own generator so a row's
-        draws do not depend on which other passes share the batch."""
-        rows = []
-        for s, r in zip(self.seeds, self.rounds):
-            g = torch.Generator(device=self.device)
-            g.manual_seed(row_seed(s, r, op_index, salt))
-            rows.append(torch.rand(shape, generator=g, device=self.device, dtype=torch.float32))
-        return torch.stack(rows)
+    def uniforms(self, stream: Stream, salt: int, shape: list[int]) -> torch.Tensor:
+        """[B, *shape] uniforms in [0, 1); pass b's from its own generator (see draw_seed)."""
+        return torch.stack([uniforms(s, p, stream, salt, shape, self.device) for s, p in zip(self.seeds, self.positions)])
 
 
 def align(t: torch.Tensor, rank: int) -> torch.Tensor:

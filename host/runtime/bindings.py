@@ -36,7 +36,7 @@ from .detok import Detokenizer
 from .errors import BudgetExceeded, Cancelled, ChannelClosed, Unsupported
 from .imports import PACKAGE as WIT_PACKAGE, VERSION, declared, error_codes
 from .limits import Limits, flag
-from .sampling import Sampler, argmax
+from .sampling import Sampler, greedy
 
 PACKAGE = f"{WIT_PACKAGE}/{{}}@{VERSION}"
 _RESULTS = {f"{i}.{n}": r for i, funcs in declared().items() for n, (_, r) in funcs.items()}
@@ -544,7 +544,7 @@ class InstanceHost:
         # tokens are chosen on the compute thread right after the model call (on this inferlet
         # thread a reduction over the vocabulary would also start a second OpenMP pool)
         if kind.tag == "argmax":
-            ps.choose = argmax
+            ps.choose = greedy
         elif kind.tag == "sample":
             ps.choose = self.handles[kind.payload].sample
         out = self.scheduler.forward(ps)

@@ -1,10 +1,16 @@
-"""Token choice on the host, so logits never cross into the guest for a plain decode step."""
+"""Token choice on the host, so logits never cross into the guest for a plain decode step.
+
+The Sampler draws with the epilogue's own sampling rule and uniforms (host/epilogue/ops/
+sampling.py `sample_logits`, keyed by seed and position), so a seeded guest-driven decode
+draws the same tokens as a device loop running `p.sample(...)`.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..epilogue.kernels import argmax as _argmax
+from ..epilogue.kernels import Stream, argmax as _argmax, uniforms
+from ..epilogue.ops.sampling import sample_logits
 from ..errors import InvalidArgument
 
 
@@ -13,11 +19,14 @@ def argmax(logits: torch.Tensor) -> list[int]:
     return _argmax(logits, -1).tolist()
 
 
-class Sampler:
-    """softmax(logits / temperature) cut to the top-p nucleus, drawn with its own seeded generator.
+def greedy(logits: torch.Tensor, position: int) -> list[int]:
+    """argmax as a pass's `choose`."""
+    return argmax(logits)
 
-    The generator belongs to the sampler, so a run's draws do not depend on other runs.
-    """
+
+class Sampler:
+    """softmax(logits / temperature) cut to the top-p nucleus; a pass's draws are keyed by the
+    sampler's seed and the position of the pass's first row (kernels.draw_seed)."""
 
     def __init__(self, temperature: float, top_p: float, seed: int):
         if not temperature >= 0:
@@ -27,20 +36,10 @@ class Sampler:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.seed = int(seed)
-        self._gen: torch.Generator | None = None
 
-    def sample(self, logits: torch.Tensor) -> list[int]:
+    def sample(self, logits: torch.Tensor, position: int) -> list[int]:
+        """One id per row of `logits` [rows, V], the rows of a pass whose window starts at `position`."""
         if self.temperature == 0:
             return argmax(logits)
-        if self._gen is None:
-            self._gen = torch.Generator(device=logits.device)
-            self._gen.manual_seed(self.seed)
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_p < 1:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # keep a token while the mass before it is below top-p: the first always stays
-            keep = (sorted_p.cumsum(-1) - sorted_p) < self.top_p
-            sorted_p = sorted_p * keep
-            choice = torch.multinomial(sorted_p, 1, generator=self._gen)
-            return order.gather(-1, choice).squeeze(-1).tolist()
-        return torch.multinomial(probs, 1, generator=self._gen).squeeze(-1).tolist()
+        u = uniforms(self.seed, position, Stream.SAMPLE, 0, list(logits.shape), logits.device)
+        return sample_logits(logits.float(), self.temperature, self.top_p, u).tolist()

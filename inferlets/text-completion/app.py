@@ -56,9 +56,9 @@ def device_loop(model, ws, prompt, args) -> None:
     # from its last token gives other rounding in reduced precision, and other tokens.
     ForwardPass(ws, prompt, StateGeometry(len(prompt)), readout=[len(prompt) - 1], epilogue=ep,
                 seed=args.seed).execute()
-    if args.max_tokens > 1:  # distinct seeds: the loop's rounds count from 0 again
+    if args.max_tokens > 1:  # draws are keyed by position: the same seed as the guest loop's sampler
         ForwardPass(ws, window, StateGeometry(1), readout=[0], epilogue=ep,
-                    seed=(args.seed + 1) % 2**64).run_loop(args.max_tokens - 1)
+                    seed=args.seed).run_loop(args.max_tokens - 1)
     while out.take():  # waits for the loop; [] once it has ended
         pass
 

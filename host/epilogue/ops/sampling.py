@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Value
-from host.epilogue.kernels import exp_race
+from host.epilogue.kernels import Stream, exp_race
 from host.epilogue.ops.spec import Attr, define, family
 
 F = family("sampling", "Sampling (seeded, see Randomness):")
@@ -22,9 +22,13 @@ def _softmax_infer(t, av, at):
     return [Value("f32", x.shape)]
 
 
+def softmax(x: torch.Tensor, temperature: float = 1.0, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(x / temperature, dim=dim)
+
+
 define("softmax", F, args=1, attrs={"axis": Attr("int", -1), "temperature": Attr("num", 1.0)},
        infer=_softmax_infer,
-       kernel=lambda ctx, op, a: [torch.softmax(a[0] / op.attrs["temperature"], dim=op.attrs["axis"] + 1)],
+       kernel=lambda ctx, op, a: [softmax(a[0], op.attrs["temperature"], op.attrs["axis"] + 1)],
        doc="`softmax(x: f32; axis=-1, temperature=1.0)`: softmax(x / temperature); temperature > 0.")
 
 
@@ -46,14 +50,18 @@ def _top_k(ctx, op, a):
     return [x.masked_fill(x < kth, -torch.inf)]
 
 
-def _top_p(ctx, op, a):
-    x = a[0]
+def top_p_filter(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Logits outside the top-p nucleus of the last axis become -inf."""
     srt, order = x.sort(dim=-1, descending=True)
     probs = torch.softmax(srt, dim=-1)
     # Drop a token when the tokens ranked above it already hold mass >= p (the top one is always kept).
-    drop_sorted = (probs.cumsum(-1) - probs) >= op.attrs["p"]
+    drop_sorted = (probs.cumsum(-1) - probs) >= p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return [x.masked_fill(drop, -torch.inf)]
+    return x.masked_fill(drop, -torch.inf)
+
+
+def _top_p(ctx, op, a):
+    return [top_p_filter(a[0], op.attrs["p"])]
 
 
 define("top_k", F, args=1, attrs={"k": Attr("int", lo=1)}, infer=_filter_infer("top_k"), kernel=_top_k,
@@ -74,7 +82,18 @@ def _sample_infer(t, av, at):
 
 def _sample(ctx, op, a):
     w = a[0]
-    return [exp_race(w, ctx.uniforms(op.index, op.attrs["seed"], list(w.shape[1:])))]
+    return [exp_race(w, ctx.uniforms(Stream.SAMPLE, op.attrs["seed"], list(w.shape[1:])))]
+
+
+def sample_logits(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """The one sampling rule, over the last axis: logits / temperature, the top-p nucleus, softmax,
+    and the exponential race on uniforms `u` (logits' shape). The host's Sampler runs it; a
+    traced `p.sample(logits, temperature, top_p=...)` is the same ops in the same order, so a
+    seeded guest-driven decode and a device loop draw the same tokens."""
+    x = logits if temperature == 1.0 else logits / torch.tensor(temperature, dtype=logits.dtype)
+    if top_p < 1.0:
+        x = top_p_filter(x, top_p)
+    return exp_race(softmax(x), u)
 
 
 define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, kernel=_sample,
@@ -86,5 +105,5 @@ define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, kernel=_s
 
 define("rand", F, args=0, attrs={"shape": Attr("dims"), "seed": SEED},
        infer=lambda t, av, at: [Value("f32", t.shape(at["shape"]))],
-       kernel=lambda ctx, op, a: [ctx.uniforms(op.index, op.attrs["seed"], ctx.shape(ctx.values[op.outs[0]]))],
+       kernel=lambda ctx, op, a: [ctx.uniforms(Stream.RAND, op.attrs["seed"], ctx.shape(ctx.values[op.outs[0]]))],
        doc="`rand(; shape, seed=0)` -> f32 uniforms in [0, 1).")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Dim, Value
-from host.epilogue.kernels import exp_race
+from host.epilogue.kernels import Stream, exp_race
 from host.epilogue.ops.spec import HOST, TENSOR, Attr, Variant, define, family, max_bound
 
 F = family("speculative", "Speculative decoding:")
@@ -174,8 +174,8 @@ def _verify_sample(ctx, op, a):
     q = a[2] if len(a) == 3 else None
     k, V = drafts.shape[1], p.shape[2]
     seed = op.attrs["seed"]
-    u_accept = ctx.uniforms(op.index, seed, [k])
-    u_race = ctx.uniforms(op.index, seed ^ 0x5EED, [k + 1, V])
+    u_accept = ctx.uniforms(Stream.VERIFY_ACCEPT, seed, [k])
+    u_race = ctx.uniforms(Stream.VERIFY_RESIDUAL, seed, [k + 1, V])
     return verify_sample(drafts, p, q, u_accept, u_race)
 
 
