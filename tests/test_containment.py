@@ -256,6 +256,7 @@ def test_a_host_bug_ends_its_instance_with_an_internal_error_naming_the_function
     r = run_ending(tiny_runtime, "working-sets", None)  # its first call encodes a prompt
     assert not r.ok
     assert r.error == "internal: host function 'tokenizer.encode' failed: ZeroDivisionError: a host bug"
+    assert "[host traceback]" in r.log and "in broken" in r.log  # where the bug is, for whoever reads the log
     assert run_ending(tiny_runtime, "channels", None).ok  # the runtime serves the next instance
 
 

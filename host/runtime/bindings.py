@@ -130,7 +130,7 @@ class InstanceHost:
         self.handles: dict[int, object] = {}
         self._next_handle = 1
         self.fatal: str | None = None  # why the host ended the instance: "code: message"
-        self.fatal_trace = ""
+        self.fatal_trace = ""  # the traceback of a host bug, added to the run's log
         self._link = _Link()
         # output
         self.token_ids: list[int] = []

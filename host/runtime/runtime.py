@@ -195,6 +195,8 @@ class Runtime:
                     self._live.pop(id(host), None)
                 host.release_all()
             log = _tail(log_path, limits.log_bytes)  # never the whole file: the guest chose its size
+            if host.fatal_trace:  # a host bug: where it happened, for whoever reads the run's log
+                log += f"\n[host traceback]\n{host.fatal_trace}"
         try:
             host.finish_output()
             text = host.text
