@@ -110,39 +110,6 @@ def _latest_match(raw: bytes, row, L: int, nmin: int, m: int) -> int:
     return -1
 
 
-
-def ngram_lookup_host(h: torch.Tensor, lengths: list[int] | None, nmin: int, nmax: int, k: int):
-    """ngram_lookup for a history whose memory the host reads (the CPU), with host lengths:
-    the same result, found by a byte search of each row (C speed, a few us for a thousand
-    tokens) instead of ~15 tensor ops. Returns (tokens [B, k], per-row counts)."""
-    B, N = h.shape
-    rows = h.to(torch.int64).numpy()
-    toks, counts = torch.full((B, k), -1, dtype=h.dtype), []
-    for b in range(B):
-        L = N if lengths is None else min(max(lengths[b], 0), N)
-        raw = rows[b, :L].tobytes()
-        start = _latest_match(raw, rows[b, :L], L, nmin, min(nmax, N))
-        n = 0 if start < 0 else min(k, L - start)
-        if n:
-            toks[b, :n] = h[b, start:start + n]
-        counts.append(n)
-    return toks, counts
-
-
-def _latest_match(raw: bytes, row, L: int, nmin: int, m: int) -> int:
-    """Where the followers of the suffix's latest earlier occurrence start (longest suffix
-    first, m down to nmin), else -1. raw holds row's L tokens as 8-byte cells."""
-    for g in range(min(m, L - 1), nmin - 1, -1):
-        if (row[L - g:] < 0).any():  # padding in the suffix matches nothing
-            continue
-        pat, end = raw[(L - g) * 8:], (L - 1) * 8  # an occurrence must end before the suffix's last token
-        while (o := raw.rfind(pat, 0, end)) >= 0:
-            if o % 8 == 0:  # cell-aligned: a real occurrence
-                return o // 8 + g
-            end = o + len(pat) - 1
-    return -1
-
-
 def _verify_infer(name):
     def infer(t, av, at):
         drafts = av[0]
