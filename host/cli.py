@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
             raise
     else:
         add_run_parser(sub)
+        from .daemon.cli import add_serve_parser  # the daemon runs inferlets: it needs the runtime
+
+        add_serve_parser(sub)
     return parser
 
 

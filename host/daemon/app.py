@@ -1,0 +1,68 @@
+"""The FastAPI application of `pie serve`: routes, middleware, and every error in OpenAI's shape."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from . import openai_routes
+from .errors import APIError, BadRequest, NotFound
+from .middleware import ApiKeys, RequestLog
+from .service import Service
+
+log = logging.getLogger("pie.serve")
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 (a malformed body, a wrong type, a missing field) as OpenAI's 400."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return BadRequest(f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}",
+                          code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return BadRequest(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="pie", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.include_router(openai_routes.router)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return _error(_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 404:
+            return _error(NotFound(f"no route {request.url.path}"))
+        err = BadRequest(str(exc.detail), code=None)
+        err.status = exc.status_code
+        return _error(err)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("internal error serving %s", request.url.path)
+        return _error(APIError(f"internal error: {type(exc).__name__}"))
+
+    # added last = outermost: a refused key is logged and counted too
+    app.add_middleware(ApiKeys, keys=service.config.api_keys)
+    app.add_middleware(RequestLog, metrics=service.metrics)
+    return app

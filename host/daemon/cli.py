@@ -1,0 +1,51 @@
+"""`pie serve [--model M] [--host H] [--port P] [--api-key-file F] [--max-instances N] [--inferlet NAME]`."""
+
+from __future__ import annotations
+
+import logging
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                              description="Load the model once and serve /v1/models, /v1/completions, "
+                                          "/v1/chat/completions and /metrics.")
+    p.add_argument("--model", help="store model name (default: smollm2-135m)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key-file", help="bearer API keys, one a line (default: no authentication)")
+    p.add_argument("--max-instances", type=int, default=8,
+                   help="most requests generating at once; past it a request gets 503 (default 8)")
+    p.add_argument("--inferlet", default="text-completion",
+                   help="the inferlet that serves completions: a built name or a .wasm path")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from ..errors import InvalidArgument
+    from ..runtime.cli import resolve_inferlet
+    from ..runtime.runtime import Runtime
+    from ..store import open_engine
+    from .auth import load_keys
+    from .server import Daemon
+    from .service import ServeConfig, Service
+
+    if args.max_instances < 1:
+        raise InvalidArgument("--max-instances must be at least 1")
+    config = ServeConfig(inferlet=resolve_inferlet(args.inferlet), max_instances=args.max_instances,
+                         api_keys=load_keys(args.api_key_file))  # both checked before the model loads
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("pie.serve")
+    engine = open_engine(args.model, device=args.device, dtype=args.dtype)
+    with Runtime(engine) as rt:
+        service = Service(rt, config)
+        log.info("serving %s with %s on http://%s:%d (%s; at most %d instances)", service.model,
+                 config.inferlet.stem, args.host, args.port,
+                 f"{len(config.api_keys)} API key(s)" if config.api_keys else "no authentication",
+                 config.max_instances)
+        if not config.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving on %s without API keys: anyone who can reach it can use it "
+                        "(--api-key-file)", args.host)
+        Daemon(service, args.host, args.port).run()
+    return 0

@@ -1,0 +1,72 @@
+"""The API's errors: each is one HTTP status and OpenAI's error body."""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    """Rendered as {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class Unauthorized(APIError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class UnknownModel(APIError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class Busy(APIError):
+    """Every instance slot (--max-instances) is taken: refused at once, never queued."""
+
+    status = 503
+    type = "server_error"
+    code = "server_busy"
+
+
+class InstanceFailed(APIError):
+    """The inferlet instance serving the request ended with an error."""
+
+    status = 500
+    type = "server_error"
+    code = "inferlet_failed"
+
+
+def from_instance_error(error: str) -> APIError:
+    """A failed run's `code: message` as the API error a client should see: its own request's
+    faults as 400, a full page pool or a shutdown as 503, anything else as 500."""
+    code = error.partition(":")[0]
+    if code in ("context-overflow", "invalid-argument"):
+        return BadRequest(error, code=code)
+    if code in ("out-of-pages", "cancelled"):
+        return Busy(error, code=code)
+    return InstanceFailed(error)

@@ -1,0 +1,71 @@
+"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .errors import APIError
+from .instances import Generation
+from .schemas import ChatRequest, CompletionRequest
+from .service import Service
+from .shapes import ChatShape, CompletionShape, sse
+
+router = APIRouter(prefix="/v1")
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    svc = _service(request)
+    card = {"id": svc.model, "object": "model", "created": 0, "owned_by": "pie", "root": svc.model,
+            "max_model_len": svc.engine.info.context_len}
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    svc = _service(request)
+    gen = svc.generate(body, body.prompt_text(), body.max_tokens)
+    return await _respond(gen, CompletionShape(svc.model, body.include_usage()), body.stream)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    svc = _service(request)
+    gen = svc.generate(body, svc.render_chat(body.messages), body.token_limit())
+    return await _respond(gen, ChatShape(svc.model, body.include_usage()), body.stream)
+
+
+async def _respond(gen: Generation, shape: CompletionShape | ChatShape, stream: bool):
+    # the instance has started (or the request was refused) before any byte of the response
+    if stream:
+        return StreamingResponse(_events(gen, shape), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    text = await gen.all_text()
+    return JSONResponse(shape.response(text, gen.finish_reason, gen.usage()))
+
+
+async def _events(gen: Generation, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:
+    """The SSE stream. A client that disconnects cancels the request's task here, and leaving
+    gen.text() early cancels the instance."""
+    try:
+        first = shape.first_chunk()
+        if first is not None:
+            yield sse(first)
+        async for text in gen.text():
+            yield sse(shape.delta_chunk(text))
+    except APIError as e:  # the response has begun: the error goes in the stream, as vLLM sends it
+        yield sse(e.body())
+    else:
+        yield sse(shape.final_chunk(gen.finish_reason))
+        if shape.include_usage:
+            yield sse(shape.usage_chunk(gen.usage()))
+    finally:
+        gen.abandon()  # cancelled before its text began: the instance must not run on alone
+    yield sse("[DONE]")
