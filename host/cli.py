@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         from .daemon.cli import add_serve_parser  # the daemon runs inferlets: it needs the runtime
 
         add_serve_parser(sub)
+        from .conformance.cli import add_conformance_parser  # the suite runs its probe on the runtime
+
+        add_conformance_parser(sub)
     return parser
 
 

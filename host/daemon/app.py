@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from . import openai_routes
+from . import inferlet_routes, openai_routes
 from .errors import APIError, BadRequest, NotFound
 from .middleware import ApiKeys, RequestLog
 from .service import Service
@@ -36,6 +36,7 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="pie", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.include_router(openai_routes.router)
+    app.include_router(inferlet_routes.router)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 
+from ..runtime.limits import add_flags, from_args
+
 
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Load the model once and serve /v1/models, /v1/completions, "
-                                          "/v1/chat/completions and /metrics.")
+                                          "/v1/chat/completions, the inferlet API (/v1/inferlets, "
+                                          "/v1/instances) and /metrics.")
     p.add_argument("--model", help="store model name (default: smollm2-135m)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -19,6 +22,9 @@ def add_serve_parser(subparsers) -> None:
                    help="most requests generating at once; past it a request gets 503 (default 8)")
     p.add_argument("--inferlet", default="text-completion",
                    help="the inferlet that serves completions: a built name or a .wasm path")
+    p.add_argument("--max-upload-mb", type=int, default=64,
+                   help="largest .wasm POST /v1/inferlets takes; past it 413 (default 64)")
+    add_flags(p)  # each instance's limits: a launch may ask for less, never more
     p.set_defaults(func=cmd_serve)
 
 
@@ -33,12 +39,15 @@ def cmd_serve(args) -> int:
 
     if args.max_instances < 1:
         raise InvalidArgument("--max-instances must be at least 1")
+    if args.max_upload_mb < 1:
+        raise InvalidArgument("--max-upload-mb must be at least 1")
     config = ServeConfig(inferlet=resolve_inferlet(args.inferlet), max_instances=args.max_instances,
-                         api_keys=load_keys(args.api_key_file))  # both checked before the model loads
+                         api_keys=load_keys(args.api_key_file), max_upload_bytes=args.max_upload_mb << 20)
+    limits = from_args(args)  # all checked before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pie.serve")
     engine = open_engine(args.model, device=args.device, dtype=args.dtype)
-    with Runtime(engine) as rt:
+    with Runtime(engine, limits=limits) as rt:
         service = Service(rt, config)
         log.info("serving %s with %s on http://%s:%d (%s; at most %d instances)", service.model,
                  config.inferlet.stem, args.host, args.port,

@@ -70,3 +70,9 @@ def from_instance_error(error: str) -> APIError:
     if code in ("out-of-pages", "cancelled"):
         return Busy(error, code=code)
     return InstanceFailed(error)
+
+
+class TooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
+from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult, Runtime
 from .errors import Busy, from_instance_error
 from .metrics import Metrics
@@ -30,6 +31,15 @@ class Instances:
         return self._count
 
     def start(self, args: list[str], *, prompt_tokens: int, stops: list[str]) -> "Generation":
+        gen = Generation(self, args, prompt_tokens, stops)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        return gen
+
+    def spawn(self, wasm: Path | bytes, args: list[str], *, name: str, on_text: Callable[[str], None] | None,
+              on_result: Callable[[RunResult], None], limits: Limits | None = None) -> RunHandle:
+        """Start one instance in a free slot (else Busy); `on_result` is called from a waiter
+        thread once its run has returned and its slot is free. Every instance of the server,
+        an OpenAI request's or a launched inferlet's, starts here."""
         with self._lock:
             if self._closed:
                 raise Busy("the server is shutting down", code="shutting_down")
@@ -37,18 +47,23 @@ class Instances:
                 raise Busy(f"all {self.limit} instance slots are busy (--max-instances); retry later")
             self._count += 1
         self.metrics.running.inc()
-        self.metrics.prompt_tokens.inc(prompt_tokens)
         try:
-            gen = Generation(self, args, prompt_tokens, stops)
+            handle = self.runtime.start(wasm, args, name=name, on_text=on_text, limits=limits)
         except BaseException:
             self._ended(None, None)
             raise
         with self._lock:
-            self._live.add(gen.handle)
+            self._live.add(handle)
             closed = self._closed
         if closed:  # shutdown began while it started
-            gen.handle.cancel("the server is shutting down")
-        return gen
+            handle.cancel("the server is shutting down")
+
+        def wait() -> None:
+            result = handle.result()
+            self._ended(handle, result)
+            on_result(result)
+        threading.Thread(target=wait, name="pie-serve-wait", daemon=True).start()
+        return handle
 
     def _ended(self, handle: RunHandle | None, result: RunResult | None) -> None:
         """Called from the waiter thread when an instance's run has returned (its pages are freed)."""
@@ -85,8 +100,8 @@ class Generation:
         self.stopped = False  # a stop string was reached
         self.result: RunResult | None = None  # set by the waiter thread when the run has returned
         # on_text runs on the instance's or the compute thread: it only hands the text over
-        self.handle = instances.runtime.start(instances.wasm, args, name=instances.wasm.stem, on_text=self._post)
-        threading.Thread(target=self._wait, name="pie-serve-wait", daemon=True).start()
+        self.handle = instances.spawn(instances.wasm, args, name=instances.wasm.stem, on_text=self._post,
+                                      on_result=self._ended)
 
     def _post(self, item: str | RunResult) -> None:
         try:
@@ -94,10 +109,8 @@ class Generation:
         except RuntimeError:  # the event loop has closed: nobody is listening any more
             pass
 
-    def _wait(self) -> None:
-        result = self.handle.result()
+    def _ended(self, result: RunResult) -> None:
         self.result = result
-        self._instances._ended(self.handle, result)
         self._post(result)
 
     async def text(self) -> AsyncIterator[str]:

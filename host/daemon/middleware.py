@@ -13,7 +13,17 @@ from .metrics import Metrics
 
 log = logging.getLogger("pie.serve")
 
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/inferlets", "/v1/instances", "/metrics")
+
+
+def endpoint(path: str) -> str:
+    """A bounded label value: the path of a known endpoint, an instance's routes by template."""
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/v1/instances/"):
+        rest = path[len("/v1/instances/"):].partition("/")[2]
+        return "/v1/instances/{id}" + (f"/{rest}" if rest in ("events", "cancel") else "")
+    return "other"
 
 
 class RequestLog:
@@ -38,8 +48,7 @@ class RequestLog:
             await self.app(scope, receive, send_status)
         finally:
             path = scope["path"]
-            endpoint = path if path in ENDPOINTS else "other"  # bounded label values
-            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.requests.labels(endpoint(path), str(status)).inc()
             client = scope.get("client") or ("-", 0)
             log.info("%s %s %s %d %.1f ms", client[0], scope["method"], path, status,
                      (time.perf_counter() - t0) * 1e3)

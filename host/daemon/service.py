@@ -7,18 +7,25 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.cli import BUILD
 from ..runtime.runtime import Runtime
+from ..store import pie_home
 from .errors import BadRequest, UnknownModel
 from .instances import Generation, Instances
 from .metrics import Metrics
+from .programs import Programs
+from .runs import Runs
 from .schemas import ChatMessage, SamplingRequest
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     inferlet: Path  # the .wasm that serves completions (text-completion by default)
-    max_instances: int = 8
+    max_instances: int = 8  # OpenAI requests and launched inferlets together
     api_keys: list[str] | None = None  # None: no authentication
+    builtin_dir: Path = BUILD  # the built inferlets the inferlet API lists and launches by name
+    upload_dir: Path | None = None  # None: $PIE_HOME/inferlets
+    max_upload_bytes: int = 64 << 20
 
 
 class Service:
@@ -29,6 +36,9 @@ class Service:
         self.model = self.engine.info.name
         self.metrics = Metrics(self.model)
         self.instances = Instances(runtime, config.inferlet, config.max_instances, self.metrics)
+        self.programs = Programs(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",
+                                 config.max_upload_bytes)
+        self.runs = Runs(self.instances)
 
     def check_model(self, name: str) -> None:
         if name != self.model:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,10 @@ def _add_options(p) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print exactly one JSON object with text, token_ids and stats")
     add_flags(p)  # the limits' flags: host/runtime/limits.py
+    p.add_argument("--server", metavar="URL", help="run on a `pie serve` daemon at URL instead of in-process "
+                   "(a .wasm path is uploaded; a name is the server's built-in)")
+    p.add_argument("--api-key", default=os.environ.get("PIE_API_KEY"),
+                   help="the daemon's bearer key (default: $PIE_API_KEY)")
 
 
 def add_run_parser(subparsers) -> None:
@@ -65,13 +70,26 @@ def _split_rest(args) -> list[str]:
     return unknown + theirs
 
 
+def _asked_limits(args) -> dict:
+    """The limit flags given other than their defaults, keyed as the inferlet API names them."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_flags(defaults)
+    base = vars(defaults.parse_args([]))
+    return {k: getattr(args, k) for k, v in base.items() if getattr(args, k) != v}
+
+
 def cmd_run(args) -> int:
+    inferlet_args = _split_rest(args)
+    limits = from_args(args)  # checked before the model loads
+    if args.server:  # the server resolves names: it may have built-ins this machine lacks
+        from ..daemon.client import run_remote
+
+        return run_remote(args.server, args.api_key, args.inferlet, inferlet_args, _asked_limits(args), args.json)
+
     from ..store import open_engine
     from .runtime import Runtime
 
     wasm = resolve_inferlet(args.inferlet)
-    inferlet_args = _split_rest(args)
-    limits = from_args(args)  # checked before the model loads
     engine = open_engine(args.model, device=args.device, dtype=args.dtype)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with Runtime(engine, limits=limits) as rt:
