@@ -20,29 +20,17 @@ def dev_prompts() -> list[dict]:
 @pytest.fixture
 def tiny():
     """(engine, reference model) over the same random weights; the engine pool is small on purpose."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from host.conformance.models import TinyTokenizer, tiny_config
     from host.engine import Engine
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      eos_token_id=2, bos_token_id=1)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(tiny_config()).eval()
     ref = copy.deepcopy(model)
     ref.config._attn_implementation = "eager"
 
-    class Tok:
-        eos_token_id = 2
-
-        # what the runtime needs of a tokenizer
-        def encode(self, text, add_special_tokens=False):
-            return [ord(c) % 97 for c in text]
-
-        def decode(self, ids, skip_special_tokens=False):
-            return " ".join(map(str, ids))
-
-    eng = Engine(model, Tok(), name="tiny", kv_pages=16, page_size=4)
+    eng = Engine(model, TinyTokenizer(), name="tiny", kv_pages=16, page_size=4)
     return eng, ref
 
 

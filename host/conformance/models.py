@@ -57,15 +57,21 @@ class SuiteModel:
     page_size: int
 
 
-def _tiny() -> SuiteModel:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_config():
+    """The tiny random Llama's shape (the unit tests' `tiny` fixture builds the same model)."""
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      eos_token_id=2, bos_token_id=1)
+    return LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       eos_token_id=2, bos_token_id=1)
+
+
+def _tiny() -> SuiteModel:
+    from transformers import LlamaForCausalLM
+
     with torch.random.fork_rng(devices=[]):  # the same weights every time, the caller's RNG untouched
         torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).eval()
+        model = LlamaForCausalLM(tiny_config()).eval()
     ref = copy.deepcopy(model)
     ref.config._attn_implementation = "eager"
     return SuiteModel("tiny", model, TinyTokenizer(), Reference(ref), TINY_PAGES, TINY_PAGE_SIZE)
