@@ -33,6 +33,7 @@ trace = importlib.import_module("inferlet.trace")
 cacheback = importlib.import_module("inferlet.cacheback")
 reference = importlib.import_module("inferlet.reference")
 speculative = importlib.import_module("inferlet.speculative")
+constrained = importlib.import_module("inferlet.constrained")
 
 
 def chan(capacity, values=()):

@@ -71,13 +71,66 @@ def _reverse_take(monkeypatch):
     monkeypatch.setattr(Channel, "take", lambda self, *a, **k: take(self, *a, **k)[::-1])
 
 
+def _fold_one_more(monkeypatch):
+    """A broken host: a pass freezes one row more than its fold count (up to the whole window)."""
+    from host.engine.working_set import WorkingSet
+
+    commit = WorkingSet.commit
+    monkeypatch.setattr(WorkingSet, "commit",
+                        lambda self, window, fold, first: commit(self, window, min(fold + 1, len(window)), first))
+
+
+def _mask_allows_all(monkeypatch):
+    """A broken host: grammar_mask allows every token (the grammar constrains nothing)."""
+    import numpy as np
+
+    from host.grammar import Matcher
+
+    monkeypatch.setattr(Matcher, "window_masks", lambda self, window: np.ones((len(window), self.vocab_size), bool))
+
+
+def _share_handle_tables(monkeypatch):
+    """A broken host: every instance's handles index one table, so one's numbers reach another's objects."""
+    from host.runtime.bindings import InstanceHost
+
+    shared, init = {}, InstanceHost.__init__
+
+    def sharing(self, *a, **k):
+        init(self, *a, **k)
+        self.handles = shared
+
+    monkeypatch.setattr(InstanceHost, "__init__", sharing)
+
+
+def _mix_batch_rows(monkeypatch):
+    """A broken host: in a model call of several passes, each pass's last readout row is its neighbour's."""
+    from host.engine.engine import Engine
+
+    run_batch = Engine.run
+
+    def mixing(self, batch):
+        outs = run_batch(self, batch)
+        rows = [o for o in outs if len(o.logits)]
+        last = [o.logits[-1].clone() for o in rows]
+        for o, row in zip(rows, last[-1:] + last[:-1]):
+            o.logits = o.logits.clone()
+            o.logits[-1] = row
+        return outs
+
+    monkeypatch.setattr(Engine, "run", mixing)
+
+
 @pytest.mark.parametrize("breakage,name", [(_keep_released_handles, "working-sets/released-handle"),
-                                           (_reverse_take, "channels/put-read-take-order")])
+                                           (_reverse_take, "channels/put-read-take-order"),
+                                           (_fold_one_more, "forward/fold-some"),
+                                           (_mask_allows_all, "epilogue/grammar-greedy-loop"),
+                                           (_share_handle_tables, "instances/handles-are-per-instance"),
+                                           (_mix_batch_rows, "instances/batched-greedy")])
 def test_a_broken_host_fails_and_expect_fail_accepts_it(probe, tmp_path, monkeypatch, breakage, name):
     breakage(monkeypatch)
     rc, lines = run(probe, "--only", name)
     assert rc == 1
-    assert lines[0].startswith(f"FAIL {name}: step "), lines
+    assert re.match(rf"FAIL {name}: (instance [a-z]+: )?step ", lines[0]), lines
     assert counts(lines) == (0, 1, 0)
     known = tmp_path / "known-failures.txt"
     known.write_text(f"# this host's known failures\n{name}\n")
@@ -105,7 +158,10 @@ def test_only_filters_by_glob_or_substring(probe):
     assert run(probe, "--only", "no-such-case")[0] == 2
 
 
-def test_a_case_needing_a_missing_capability_skips(probe, tmp_path):
+def test_a_case_needing_a_missing_capability_skips(probe, tmp_path, monkeypatch):
+    from host.conformance.models import TinyTokenizer
+
+    monkeypatch.delattr(TinyTokenizer, "grammar_tokens")  # a tokenizer the grammar engine cannot read
     (tmp_path / "needs-grammar.toml").write_text(
         'description = "d"\nneeds = ["grammar"]\n[[steps]]\ncall = "working-sets.create"\n')
     (tmp_path / "runs.toml").write_text('description = "d"\n[[steps]]\ncall = "working-sets.create"\n')
@@ -121,6 +177,12 @@ def test_a_case_needing_a_missing_capability_skips(probe, tmp_path):
     ('[[steps]]\ncall = "channels.len"\nexpect = {predicate = "nope"}\n', "unknown predicate"),
     ('needs = ["warp-drive"]\n[[steps]]\ncall = "channels.len"\n', "unknown capability"),
     ('[[steps]]\ncall = "channels.len"\nagrs = []\n', "unknown key"),
+    ('[[instances]]\n[[instances.steps]]\ncall = "channels.len"\n', "two or more"),
+    ('[[instances]]\nname = "a"\n[[instances.steps]]\ncall = "channels.len"\nargs = ["$b/ch"]\n'
+     '[[instances]]\nname = "b"\n[[instances.steps]]\ncall = "channels.create"\nas = "ch"\n', "no earlier instance"),
+    ('[[instances]]\n[[instances.steps]]\ncall = "channels.len"\n[[instances]]\nhold = true\n'
+     '[[instances.steps]]\ncall = "channels.len"\n', "no later one to hold for"),
+    ('[[instances]]\nstart = "later"\n[[instances.steps]]\ncall = "channels.len"\n', "start must be"),
 ])
 def test_the_case_format_refuses_mistakes(body, why):
     with pytest.raises(fmt.CaseError, match=why):

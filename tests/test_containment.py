@@ -12,6 +12,7 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 from host.errors import PieError
+from host.runtime.imports import VERSION as WIT_VERSION
 
 from guest import cells, chan, plain_greedy, trace
 
@@ -115,7 +116,7 @@ ENDINGS = [
     ("loop", {"cpu_time_s": 0.05}, "CPU-time limit"),
     ("loop-dims", None, "epilogue declares V=7"),  # a device loop's failure, at once
     ("loop-emit-negative", None, "token id -1 is outside the vocabulary"),  # ... after 3 rounds
-    ("bad-imports", None, "imports runtime.send with another type than pie:inferlet@0.1.0 declares: "
+    ("bad-imports", None, f"imports runtime.send with another type than pie:inferlet@{WIT_VERSION} declares: "
                           "func(u32) instead of func(string)"),  # refused at load
 ]
 
@@ -241,7 +242,8 @@ def test_every_host_function_answers_arguments_of_any_type_with_a_typed_error(ti
                         code = call_checked(host, store, name, fn, args)  # some odd values are fine
                         assert code != "internal", (name, args, host.fatal)
                         typed[name] = typed.get(name, 0) + (code is not None)
-        assert len(typed) == 26 and all(typed.values()), typed
+        assert len(typed) == sum(1 for funcs in host.functions().values() for fn in funcs.values()
+                                 if inspect.signature(fn).parameters) and all(typed.values()), typed
     finally:
         host.release_all()
         sched.close()
@@ -267,7 +269,7 @@ def test_the_host_implements_exactly_the_wit_imports(tiny):
     host = InstanceHost(tiny[0], None, [], 60.0, 0.01)
     assert {i: sorted(f) for i, f in host.functions().items()} == \
         {i: sorted(f) for i, f in declared().items() if f}
-    assert TAGGED == {"forward.execute"}
+    assert TAGGED == {"forward.execute", "grammars.state"}
     assert NO_ERROR_RESULT == {"runtime.get-arguments", "runtime.get-model-info", "runtime.send", "tokenizer.encode"}
 
 

@@ -23,7 +23,7 @@ GREEDY = ["--prompt", "Why is the sky blue?", "--chat", "--max-tokens", "10"]
 
 @pytest.fixture(scope="module")
 def served(runtime, text_completion_wasm, tmp_path_factory):
-    s = Served(runtime, text_completion_wasm, max_instances=1, api_keys=[KEY],
+    s = Served(runtime, text_completion_wasm, max_instances=1, max_queue=0, api_keys=[KEY],
                builtin_dir=text_completion_wasm.parent, upload_dir=tmp_path_factory.mktemp("uploads"),
                max_upload_bytes=UPLOAD_LIMIT)
     yield s
@@ -160,7 +160,7 @@ def test_cancel_frees_pages_and_counts_as_an_instance(http, served):
         assert [r["id"] for r in http.get("/v1/instances").json()["data"] if r["status"] == "running"] == [run["id"]]
         # max_instances=1: the running inferlet takes the slot an OpenAI request would need
         busy = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1})
-        assert _error(busy, 503)["code"] == "server_busy"
+        assert _error(busy, 429)["code"] == "rate_limit_exceeded"
         assert http.post(f"/v1/instances/{run['id']}/cancel").status_code == 200
         events = _events(lines)
     finally:
@@ -220,3 +220,31 @@ def test_pie_run_server_prints_what_pie_run_prints(served, reference, text_compl
 
     out = _pie_run(served, "no-such-inferlet")
     assert out.returncode == 2 and "404" in out.stderr and "no inferlet 'no-such-inferlet'" in out.stderr
+
+
+def test_pie_run_server_waits_out_a_429(http, served, reference):
+    """max_instances=1, no queue: a launch refused with 429 is tried again after Retry-After."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def refused() -> float:
+        fams = text_string_to_metric_families(http.get("/metrics").text)
+        return sum(s.value for f in fams for s in f.samples if s.name == "pie:http_requests_total"
+                   and s.labels == {"endpoint": "/v1/instances", "status": "429"})
+    holder = _launch(http, ["--prompt", LONG, "--chat", "--max-tokens", "2000"], detach=True)
+    before = refused()
+    proc = subprocess.Popen([sys.executable, "-m", "host.cli", "run", "--server", served.url, "--api-key", KEY,
+                             "text-completion", "--", *GREEDY], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while refused() == before:  # a liveness guard: the launch has been refused at least once
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        http.post(f"/v1/instances/{holder['id']}/cancel")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert out == reference.text + ("" if reference.text.endswith("\n") else "\n")

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-import test_epilogue_lru  # noqa: F401  (their @covers marks count)
+import test_epilogue_grammar  # noqa: F401  (their @covers marks count)
+import test_epilogue_lru  # noqa: F401
 import test_epilogue_ops  # noqa: F401
 import test_epilogue_sampling  # noqa: F401
 from host.epilogue.ir import Op, Value

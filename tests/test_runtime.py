@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from host.runtime.imports import VERSION as WIT_VERSION
 from wasm_fixtures import *  # noqa: F401,F403 (fixtures)
 
 pytestmark = [pytest.mark.wasm, pytest.mark.model]
@@ -33,7 +34,7 @@ FAILURES = [
     ("epilogue-bad-handle", "mode:epilogue-handle", "bad-handle: epilogue handle 7 is unknown"),
     ("truncated-wasm", "truncated", "not a valid component (truncated or corrupt?)"),
     ("core-module", "core", "core WebAssembly module, not a component"),
-    ("other-world", "other-world", "not built against the pie:inferlet@0.1.0 world"),
+    ("other-world", "other-world", f"not built against the pie:inferlet@{WIT_VERSION} world"),
     # issue 22: a device loop's failure beside the healthy one's, and imports of other types
     ("loop-epilogue-of-other-dims", "mode:loop-dims", "invalid-argument: epilogue declares V=7"),
     ("loop-emits-negative-id", "mode:loop-emit-negative", "invalid-argument: token id -1 is outside the vocabulary"),

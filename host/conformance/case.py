@@ -22,6 +22,22 @@ Arguments are WIT values as JSON: a record is a table of its fields (WIT names),
 epilogue = {program, seed}} (conformance/components/probe/app.py turns them into bindings).
 Arguments may use two static forms, expanded before the probe sees them:
 {fill = X, count = N} is N copies of X, {json = TABLE} is TABLE as JSON text.
+
+A case that runs several instances has [[instances]] tables instead of [[steps]]:
+
+    [[instances]]
+    name = "a"                 # its results are "$a/var.path" in later instances' arguments
+    hold = true                # after its steps it stays alive until every later instance ends
+    [[instances.steps]]        # as [[steps]] above
+    ...
+    [[instances]]
+    name = "b"
+    start = "with-previous"    # launched beside the one before (default "after-previous": once
+                               # every earlier one has ended or, if it holds, reported its steps)
+
+Each instance's steps are judged on its own outcomes. A held instance is cancelled by the runner
+once the later ones have ended, so handles it reported are alive while they run. Instances
+launched together wait for one wall-clock time the runner picks, so their passes share batches.
 """
 
 from __future__ import annotations
@@ -39,8 +55,10 @@ CASES = ROOT / "cases"
 CAPABILITIES = ("cuda", "mtp", "grammar")  # what a case may need; hosts report theirs
 FUNCTIONS = {f"{i}.{f}" for i, fs in declared().items() for f in fs}
 CODES = set(error_codes())
-_CASE_KEYS = {"description", "model", "needs", "covers", "steps"}
+_CASE_KEYS = {"description", "model", "needs", "covers", "steps", "instances"}
 _STEP_KEYS = {"call", "args", "as", "expect"}
+_INSTANCE_KEYS = {"name", "hold", "start", "steps"}
+STARTS = ("after-previous", "with-previous")
 
 
 class CaseError(ValueError):
@@ -60,13 +78,26 @@ class Step:
 
 
 @dataclass
+class Instance:
+    name: str
+    steps: list[Step]
+    hold: bool = False
+    start: str = "after-previous"
+
+
+@dataclass
 class Case:
     name: str
     description: str
-    steps: list[Step]
+    instances: list[Instance]
     model: str = "tiny"
     needs: list[str] = field(default_factory=list)
     covers: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> list[Step]:
+        """Every instance's steps, in order."""
+        return [s for i in self.instances for s in i.steps]
 
     def coverage(self) -> set[str]:
         """Functions called, (function, error code) pairs and codes expected, plus `covers`."""
@@ -111,16 +142,9 @@ def _expect(raw, where: str) -> dict:
     return _expand(raw)
 
 
-def parse(name: str, data: dict) -> Case:
-    unknown = set(data) - _CASE_KEYS
-    if unknown:
-        raise CaseError(f"{name}: unknown key {sorted(unknown)[0]!r}")
-    needs = list(data.get("needs", []))
-    bad = [n for n in needs if n not in CAPABILITIES]
-    if bad:
-        raise CaseError(f"{name}: unknown capability {bad[0]!r}; known: {', '.join(CAPABILITIES)}")
+def _steps(name: str, raws: list) -> list[Step]:
     steps = []
-    for i, raw in enumerate(data.get("steps", [])):
+    for i, raw in enumerate(raws):
         where = f"{name}: step {i}"
         if set(raw) - _STEP_KEYS:
             raise CaseError(f"{where}: unknown key {sorted(set(raw) - _STEP_KEYS)[0]!r}")
@@ -130,9 +154,70 @@ def parse(name: str, data: dict) -> Case:
                           raw.get("as")))
     if not steps:
         raise CaseError(f"{name}: no steps")
+    return steps
+
+
+def _instances(name: str, raws: list) -> list[Instance]:
+    out = []
+    for i, raw in enumerate(raws):
+        where = f"{name}: instance {raw.get('name', i)}"
+        if set(raw) - _INSTANCE_KEYS:
+            raise CaseError(f"{where}: unknown key {sorted(set(raw) - _INSTANCE_KEYS)[0]!r}")
+        inst = Instance(str(raw.get("name", f"i{i}")), _steps(where, raw.get("steps", [])), bool(raw.get("hold", False)),
+                        raw.get("start", "after-previous"))
+        if inst.start not in STARTS:
+            raise CaseError(f"{where}: start must be one of {', '.join(STARTS)}")
+        if inst.name in {o.name for o in out} or not inst.name.replace("-", "").isalnum():
+            raise CaseError(f"{where}: an instance needs a unique name of letters, digits and dashes")
+        for ref in _cross_refs([s.args for s in inst.steps] + [s.expect for s in inst.steps]):
+            if ref.split("/", 1)[0][1:] not in {o.name for o in out}:
+                raise CaseError(f"{where}: {ref} names no earlier instance")
+        out.append(inst)
+    if len(out) < 2:
+        raise CaseError(f"{name}: [[instances]] needs two or more; one instance is [[steps]]")
+    if out[-1].hold:
+        raise CaseError(f"{name}: the last instance has no later one to hold for")
+    return out
+
+
+def _cross_refs(v) -> list[str]:
+    """The "$instance/var.path" strings in v."""
+    if isinstance(v, str):
+        return [v] if v.startswith("$") and "/" in v else []
+    if isinstance(v, dict):
+        v = list(v.values())
+    return [r for x in v for r in _cross_refs(x)] if isinstance(v, list) else []
+
+
+def resolve_cross(v, env: dict):
+    """v with each "$instance/var.path" replaced by that earlier instance's result (the runner
+    does it before launch: the probe sees only values)."""
+    if isinstance(v, str) and v.startswith("$") and "/" in v:
+        return lookup(v, env)
+    if isinstance(v, list):
+        return [resolve_cross(x, env) for x in v]
+    if isinstance(v, dict):
+        return {k: resolve_cross(x, env) for k, x in v.items()}
+    return v
+
+
+def parse(name: str, data: dict) -> Case:
+    unknown = set(data) - _CASE_KEYS
+    if unknown:
+        raise CaseError(f"{name}: unknown key {sorted(unknown)[0]!r}")
+    needs = list(data.get("needs", []))
+    bad = [n for n in needs if n not in CAPABILITIES]
+    if bad:
+        raise CaseError(f"{name}: unknown capability {bad[0]!r}; known: {', '.join(CAPABILITIES)}")
+    if "steps" in data and "instances" in data:
+        raise CaseError(f"{name}: a case has steps or instances, not both")
+    if "instances" in data:
+        instances = _instances(name, data["instances"])
+    else:
+        instances = [Instance("main", _steps(name, data.get("steps", [])))]
     if "description" not in data:
         raise CaseError(f"{name}: no description")
-    return Case(name, data["description"], steps, data.get("model", "tiny"), needs, list(data.get("covers", [])))
+    return Case(name, data["description"], instances, data.get("model", "tiny"), needs, list(data.get("covers", [])))
 
 
 def load(path: Path, root: Path = CASES) -> Case:
@@ -149,7 +234,8 @@ def load_all(root: Path = CASES) -> list[Case]:
 
 
 def lookup(ref: str, env: dict):
-    """The value of "$var.path" among the results kept so far (as the probe resolves arguments)."""
+    """The value of "$var.path" among the results kept so far (as the probe resolves arguments);
+    an earlier instance's results are in env as "instance/var"."""
     name, *path = ref[1:].split(".")
     if name not in env:
         raise KeyError(ref)

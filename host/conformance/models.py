@@ -3,7 +3,8 @@ transformers (eager attention, the whole sequence each time), independent of any
 
 `tiny` is a 2-layer random Llama (vocabulary 97, context 128) built here, so the suite needs
 no download and every case is fast; its tokenizer maps a character to its code mod 97 and
-has no chat template. Its host-side pool is small on purpose (out-of-pages is cheap to reach).
+has no chat template; the grammar engine reads it through `grammar_tokens`. Its host-side pool
+is small on purpose (out-of-pages is cheap to reach).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InvalidArgument
@@ -24,6 +26,15 @@ class TinyTokenizer:
     def encode(self, text, add_special_tokens=False):
         return [ord(c) % 97 for c in text]
 
+    def grammar_tokens(self) -> list[bytes]:
+        """Each id's bytes, for the grammar engine (host/grammar): the one printable ASCII
+        character encode() maps to the id (ids 0..29 are 'a'..'~', 32..96 are ' '..'`'), else
+        the control character of that code (30, 31). 'c' has no token: its id is the EOS, whose
+        bytes start with llguidance's special-token marker (0xff), so no grammar reads it as text."""
+        out = [next((chr(o) for o in (t, t + 97) if 32 <= o < 127), chr(t)).encode() for t in range(97)]
+        out[self.eos_token_id] = b"\xff<eos>"
+        return out
+
     def decode(self, ids, skip_special_tokens=False):
         return " ".join(map(str, ids))
 
@@ -31,8 +42,8 @@ class TinyTokenizer:
 class Reference:
     """Greedy decoding by the reference model, recomputing the whole sequence each step."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, tokenizer=None):
+        self.model, self.tokenizer = model, tokenizer
 
     @torch.inference_mode()
     def next_tokens(self, ids: list[int]) -> list[int]:
@@ -45,6 +56,40 @@ class Reference:
         for _ in range(n):
             ids.append(self.next_tokens(ids)[-1])
         return ids[len(prompt):]
+
+    @torch.inference_mode()
+    def constrained_greedy(self, prompt: list[int], n: int, regex: str) -> list[int]:
+        """Greedy decoding under a regex: each step's argmax over the tokens the grammar allows
+        (ties: the lowest id), from llguidance's own matcher over the tokenizer's
+        `grammar_tokens`, not through the host's grammar engine."""
+        import llguidance
+
+        cfg = self.model.config
+        m = llguidance.LLMatcher(_ll_tokenizer(self.tokenizer, cfg.vocab_size),
+                                 llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
+        ids = list(prompt)
+        for _ in range(n):
+            words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32)
+            allowed = torch.tensor([bool(words[t // 32] >> (t % 32) & 1) for t in range(cfg.vocab_size)])
+            logits = self.model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.masked_fill(~allowed, float("-inf")).argmax()))
+            if not m.consume_token(ids[-1]):
+                raise AssertionError(f"the reference matcher refused its own choice {ids[-1]}: {m.get_error()}")
+        return ids[len(prompt):]
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's tokenizer for the suite's tokenizer: its grammar_tokens, encoded by its encode."""
+    import llguidance
+
+    class Wrapped:
+        tokens, eos_token_id, bos_token_id = tokenizer.grammar_tokens(), tokenizer.eos_token_id, None
+
+        def __call__(self, s):
+            return tokenizer.encode(s.decode("utf-8") if isinstance(s, bytes) else s)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Wrapped()), n_vocab=vocab_size,
+                                  eos_token=[tokenizer.eos_token_id])
 
 
 @dataclass
@@ -74,7 +119,8 @@ def _tiny() -> SuiteModel:
         model = LlamaForCausalLM(tiny_config()).eval()
     ref = copy.deepcopy(model)
     ref.config._attn_implementation = "eager"
-    return SuiteModel("tiny", model, TinyTokenizer(), Reference(ref), TINY_PAGES, TINY_PAGE_SIZE)
+    tok = TinyTokenizer()
+    return SuiteModel("tiny", model, tok, Reference(ref, tok), TINY_PAGES, TINY_PAGE_SIZE)
 
 
 MODELS = {"tiny": _tiny}

@@ -56,5 +56,25 @@ def logits_shape(value, params, ref) -> str | None:
     return None
 
 
+def allowed_tokens(value, params, ref) -> str | None:
+    """The value (grammars.allowed) is a bit set of ceil(vocab / 32) words holding exactly the
+    ids `tokens` (token t is bit t % 32 of word t // 32)."""
+    V = ref.model.config.vocab_size
+    if len(value) != (V + 31) // 32:
+        return f"expected {(V + 31) // 32} words for a vocabulary of {V}, got {len(value)}"
+    got = [t for t in range(32 * len(value)) if value[t // 32] >> (t % 32) & 1]
+    want = sorted(params["tokens"])
+    return None if got == want else f"expected the allowed tokens {want}, got {got}"
+
+
+def constrained_greedy_tokens(value, params, ref) -> str | None:
+    """The ids in the value are the reference model's first `n` greedy tokens after `prompt`
+    with each step restricted to the tokens the regex `regex` allows."""
+    want = ref.constrained_greedy(list(params["prompt"]), params["n"], params["regex"])
+    got = _tokens(value)
+    return None if got == want else f"expected the reference constrained greedy tokens {want}, got {got}"
+
+
 PREDICATES = {"logits-shape": logits_shape, "greedy-continuation": greedy_continuation, "greedy-tokens": greedy_tokens,
-              "reference-argmax": reference_argmax, "prefix": prefix}
+              "reference-argmax": reference_argmax, "prefix": prefix, "allowed-tokens": allowed_tokens,
+              "constrained-greedy-tokens": constrained_greedy_tokens}

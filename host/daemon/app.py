@@ -18,7 +18,7 @@ log = logging.getLogger("pie.serve")
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -41,6 +41,14 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the server takes requests, 503 once it is shutting down (open, as /metrics)."""
+        adm = service.admission
+        ok = not adm.closed
+        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": service.model,
+                             "running": adm.running, "waiting": adm.waiting}, status_code=200 if ok else 503)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

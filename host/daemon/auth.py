@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from pathlib import Path
 
@@ -22,12 +23,16 @@ def load_keys(path: str | Path | None) -> list[str] | None:
     return keys
 
 
-def authorized(keys: list[str] | None, header: str | None) -> bool:
-    """Whether an `Authorization` header carries one of the keys (any, when keys is None)."""
-    if keys is None:
-        return True
+def matching_key(keys: list[str], header: str | None) -> str | None:
+    """The key an `Authorization: Bearer KEY` header carries, if it is one of `keys`."""
     scheme, _, token = (header or "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        return False
+        return None
     # compare with every key in constant time: no timing tells which prefix matched
-    return any([hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys])
+    hits = [k for k in keys if hmac.compare_digest(token.strip().encode(), k.encode())]
+    return hits[0] if hits else None
+
+
+def key_id(key: str) -> str:
+    """The name a key's instances are owned under: never the key itself (cards and logs show it)."""
+    return "key_" + hashlib.sha256(key.encode()).hexdigest()[:16]

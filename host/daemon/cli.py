@@ -1,4 +1,5 @@
-"""`pie serve [--model M] [--host H] [--port P] [--api-key-file F] [--max-instances N] [--inferlet NAME]`."""
+"""`pie serve [--model M] [--host H] [--port P] [--api-key-file F] [--max-instances N] [--max-queue N]
+[--max-instances-per-key N] [--default-inferlet NAME]`."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key-file", help="bearer API keys, one a line (default: no authentication)")
     p.add_argument("--max-instances", type=int, default=8,
-                   help="most requests generating at once; past it a request gets 503 (default 8)")
-    p.add_argument("--inferlet", default="text-completion",
-                   help="the inferlet that serves completions: a built name or a .wasm path")
+                   help="most instances running at once; past it a request waits in the queue (default 8)")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="most requests waiting for an instance slot; past it 429 with Retry-After (default 32)")
+    p.add_argument("--max-instances-per-key", type=int, default=None,
+                   help="most instances one API key has running and waiting; past it 429 (default: no limit)")
+    p.add_argument("--default-inferlet", "--inferlet", dest="inferlet", default="text-completion",
+                   help="the inferlet that serves completions which name none: a built name or a .wasm path")
     p.add_argument("--max-upload-mb", type=int, default=64,
                    help="largest .wasm POST /v1/inferlets takes; past it 413 (default 64)")
     add_flags(p)  # each instance's limits: a launch may ask for less, never more
@@ -39,9 +44,14 @@ def cmd_serve(args) -> int:
 
     if args.max_instances < 1:
         raise InvalidArgument("--max-instances must be at least 1")
+    if args.max_queue < 0:
+        raise InvalidArgument("--max-queue must be at least 0")
+    if args.max_instances_per_key is not None and args.max_instances_per_key < 1:
+        raise InvalidArgument("--max-instances-per-key must be at least 1")
     if args.max_upload_mb < 1:
         raise InvalidArgument("--max-upload-mb must be at least 1")
     config = ServeConfig(inferlet=resolve_inferlet(args.inferlet), max_instances=args.max_instances,
+                         max_queue=args.max_queue, max_instances_per_key=args.max_instances_per_key,
                          api_keys=load_keys(args.api_key_file), max_upload_bytes=args.max_upload_mb << 20)
     limits = from_args(args)  # all checked before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -49,10 +59,11 @@ def cmd_serve(args) -> int:
     engine = open_engine(args.model, device=args.device, dtype=args.dtype)
     with Runtime(engine, limits=limits) as rt:
         service = Service(rt, config)
-        log.info("serving %s with %s on http://%s:%d (%s; at most %d instances)", service.model,
+        log.info("serving %s with %s on http://%s:%d (%s; at most %d instances, %d waiting%s)", service.model,
                  config.inferlet.stem, args.host, args.port,
                  f"{len(config.api_keys)} API key(s)" if config.api_keys else "no authentication",
-                 config.max_instances)
+                 config.max_instances, config.max_queue,
+                 f", {config.max_instances_per_key} per key" if config.max_instances_per_key else "")
         if not config.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("serving on %s without API keys: anyone who can reach it can use it "
                         "(--api-key-file)", args.host)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +31,28 @@ def _ok(resp: httpx.Response) -> httpx.Response:
             msg = resp.text.strip() or resp.reason_phrase
         raise ServerError(f"{resp.request.method} {resp.request.url.path}: {resp.status_code}: {msg}")
     return resp
+
+
+RETRY_FOR_S = 60.0  # how long a launch waits out 429s (a full queue, the key's limit) before giving up
+
+
+def _launch(http: httpx.Client, body: dict) -> dict:
+    """POST /v1/instances; a 429 is tried again after the server's Retry-After, for up to RETRY_FOR_S."""
+    deadline = time.monotonic() + RETRY_FOR_S
+    while True:
+        resp = http.post("/v1/instances", json=body)
+        wait = _seconds(resp.headers.get("retry-after")) if resp.status_code == 429 else None
+        if wait is None or time.monotonic() + wait > deadline:
+            return _ok(resp).json()
+        time.sleep(wait)
+
+
+def _seconds(retry_after: str | None) -> float:
+    """Retry-After in seconds (this server sends whole seconds; an HTTP date counts as 1)."""
+    try:
+        return max(float(retry_after), 0.0)
+    except (TypeError, ValueError):
+        return 1.0
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, dict]]:
@@ -59,7 +82,7 @@ def run_remote(server: str, api_key: str | None, inferlet: str, args: list[str],
                 # launched by hash: a built-in of the same name cannot stand in for it
                 inferlet = _ok(http.post("/v1/inferlets", params={"name": path.stem}, content=wasm,
                                          headers={"content-type": "application/wasm"})).json()["hash"]
-            run = _ok(http.post("/v1/instances", json={"inferlet": inferlet, "args": args, "limits": limits})).json()
+            run = _launch(http, {"inferlet": inferlet, "args": args, "limits": limits})
             result, failure = None, None
             with http.stream("GET", f"/v1/instances/{run['id']}/events") as resp:
                 _ok(resp)

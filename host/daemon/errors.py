@@ -9,6 +9,7 @@ class APIError(Exception):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
+    headers: dict[str, str] = {}
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -46,11 +47,33 @@ class NotFound(APIError):
 
 
 class Busy(APIError):
-    """Every instance slot (--max-instances) is taken: refused at once, never queued."""
+    """The server cannot take the request now: it is shutting down, or the page pool is full."""
 
     status = 503
     type = "server_error"
     code = "server_busy"
+
+
+class TooManyRequests(APIError):
+    """Every instance slot and queue place is taken, or the key has its most instances: try again
+    after Retry-After seconds (OpenAI's clients do, by themselves). Named as OpenAI names its own."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None):
+        super().__init__(message, code=code)
+        self.headers = {"Retry-After": str(retry_after)}
+
+
+class ClientGone(APIError):
+    """The client closed its connection while its request waited: nobody reads the answer
+    (499, as nginx logs it)."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
 
 
 class InstanceFailed(APIError):

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import BadRequest, TooLarge
 from .runs import capped_limits
-from .service import Service
+from .service import Service, owner_of
 
 router = APIRouter(prefix="/v1")
 
@@ -61,28 +61,30 @@ class LaunchRequest(BaseModel):
 async def launch(body: LaunchRequest, request: Request):
     svc = _service(request)
     program = svc.programs.resolve(body.inferlet)
-    run = svc.runs.launch(program, body.args, capped_limits(body.limits, svc.runtime.limits), body.detach)
+    limits = capped_limits(body.limits, svc.runtime.limits)
+    owner, arrived = await svc.admit(request)  # waits for a slot as a completion does
+    run = svc.runs.launch(program, body.args, limits, body.detach, owner, arrived)
     return JSONResponse(run.card(), status_code=201)
 
 
 @router.get("/instances")
 async def list_instances(request: Request) -> dict:
-    return {"object": "list", "data": [r.card() for r in _service(request).runs.list()]}
+    return {"object": "list", "data": [r.card() for r in _service(request).runs.list(owner_of(request))]}
 
 
 @router.get("/instances/{instance_id}")
 async def get_instance(instance_id: str, request: Request) -> dict:
-    return _service(request).runs.get(instance_id).card()
+    return _service(request).runs.get(instance_id, owner_of(request)).card()
 
 
 @router.get("/instances/{instance_id}/events")
 async def attach(instance_id: str, request: Request):
-    run = _service(request).runs.get(instance_id)
+    run = _service(request).runs.get(instance_id, owner_of(request))
     return StreamingResponse(run.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @router.post("/instances/{instance_id}/cancel")
 async def cancel(instance_id: str, request: Request) -> dict:
-    run = _service(request).runs.get(instance_id)
+    run = _service(request).runs.get(instance_id, owner_of(request))
     run.cancel("a client asked to cancel it")
     return run.card()

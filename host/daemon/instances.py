@@ -1,56 +1,56 @@
-"""The inferlet instances serving requests: admission (--max-instances) and each instance's
-text as an async stream, cut at stop strings."""
+"""The inferlet instances serving requests (each in a slot admission.py gave it), and each
+OpenAI request's text as an async stream, cut at stop strings."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult, Runtime
+from .admission import Admission
 from .errors import Busy, from_instance_error
 from .metrics import Metrics
+from .programs import Program
 from .stops import StopCutter
 
 
 class Instances:
-    """The running instances of one server: at most `limit` at once; one more is refused with
-    Busy (503) at once rather than queued, so a client can retry elsewhere or later."""
+    """The running instances of one server. Each starts in a slot its request took from
+    `admission` (Admission.acquire) and gives it back when its run has returned."""
 
-    def __init__(self, runtime: Runtime, wasm: Path, limit: int, metrics: Metrics):
-        self.runtime, self.wasm, self.limit, self.metrics = runtime, wasm, limit, metrics
+    def __init__(self, runtime: Runtime, admission: Admission, metrics: Metrics):
+        self.runtime, self.admission, self.metrics = runtime, admission, metrics
         self._lock = threading.Lock()
         self._live: set[RunHandle] = set()
-        self._count = 0  # slots taken: counted before the instance starts, freed when it has ended
         self._closed = False
 
     @property
     def running(self) -> int:
-        return self._count
+        return self.admission.running
 
-    def start(self, args: list[str], *, prompt_tokens: int, stops: list[str]) -> "Generation":
-        gen = Generation(self, args, prompt_tokens, stops)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        return gen
+    def spawn(self, wasm: Path | bytes, args: list[str], *, name: str, owner: str | None, arrived: float,
+              on_text: Callable[[str], None] | None, on_result: Callable[[RunResult], None],
+              limits: Limits | None = None) -> RunHandle:
+        """Start one instance in the slot `owner` holds; `on_result` is called from a waiter
+        thread once its run has returned and its slot is free. `arrived` (perf_counter) is when
+        its request came, for the latency metrics. Every instance of the server, an OpenAI
+        request's or a launched inferlet's, starts here."""
+        timing = _Timing(arrived)
 
-    def spawn(self, wasm: Path | bytes, args: list[str], *, name: str, on_text: Callable[[str], None] | None,
-              on_result: Callable[[RunResult], None], limits: Limits | None = None) -> RunHandle:
-        """Start one instance in a free slot (else Busy); `on_result` is called from a waiter
-        thread once its run has returned and its slot is free. Every instance of the server,
-        an OpenAI request's or a launched inferlet's, starts here."""
-        with self._lock:
+        def text(t: str) -> None:
+            timing.token()
+            if on_text is not None:
+                on_text(t)
+        try:
             if self._closed:
                 raise Busy("the server is shutting down", code="shutting_down")
-            if self._count >= self.limit:
-                raise Busy(f"all {self.limit} instance slots are busy (--max-instances); retry later")
-            self._count += 1
-        self.metrics.running.inc()
-        try:
-            handle = self.runtime.start(wasm, args, name=name, on_text=on_text, limits=limits)
+            handle = self.runtime.start(wasm, args, name=name, on_text=text, limits=limits)
         except BaseException:
-            self._ended(None, None)
+            self.admission.release(owner)
             raise
         with self._lock:
             self._live.add(handle)
@@ -60,22 +60,18 @@ class Instances:
 
         def wait() -> None:
             result = handle.result()
-            self._ended(handle, result)
+            with self._lock:
+                self._live.discard(handle)
+            self.admission.release(owner)
+            self.metrics.ended(name, result, handle.draft_stats, timing.first, time.perf_counter() - arrived)
             on_result(result)
         threading.Thread(target=wait, name="pie-serve-wait", daemon=True).start()
         return handle
 
-    def _ended(self, handle: RunHandle | None, result: RunResult | None) -> None:
-        """Called from the waiter thread when an instance's run has returned (its pages are freed)."""
-        with self._lock:
-            self._count -= 1
-            self._live.discard(handle)
-        self.metrics.running.dec()
-        if result is not None:
-            self.metrics.generation_tokens.inc(len(result.token_ids))
-
     def close(self, reason: str = "the server is shutting down", timeout: float = 30.0) -> int:
-        """Refuse new instances, cancel the running ones and wait for them to end; how many were cancelled."""
+        """Refuse new instances and the queued requests, cancel the running ones and wait for
+        them to end; how many were cancelled."""
+        self.admission.close()
         with self._lock:
             self._closed = True
             live = list(self._live)
@@ -86,11 +82,24 @@ class Instances:
         return len(live)
 
 
+class _Timing:
+    """When a run's first text came, for time to first token (from the request's arrival)."""
+
+    def __init__(self, arrived: float):
+        self.arrived = arrived
+        self.first: float | None = None  # seconds from arrival
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter() - self.arrived
+
+
 class Generation:
     """One instance serving one request. `text()` yields its text as it is generated; leaving
     it before the end (a client gone, a stop string) cancels the instance."""
 
-    def __init__(self, instances: Instances, args: list[str], prompt_tokens: int, stops: list[str]):
+    def __init__(self, instances: Instances, program: Program, args: list[str], prompt_tokens: int,
+                 stops: list[str], owner: str | None, arrived: float):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[str | RunResult] = asyncio.Queue()
         self._cut = StopCutter(stops)
@@ -100,8 +109,8 @@ class Generation:
         self.stopped = False  # a stop string was reached
         self.result: RunResult | None = None  # set by the waiter thread when the run has returned
         # on_text runs on the instance's or the compute thread: it only hands the text over
-        self.handle = instances.spawn(instances.wasm, args, name=instances.wasm.stem, on_text=self._post,
-                                      on_result=self._ended)
+        self.handle = instances.spawn(program.path, args, name=program.run_name, owner=owner, arrived=arrived,
+                                      on_text=self._post, on_result=self._ended)
 
     def _post(self, item: str | RunResult) -> None:
         try:

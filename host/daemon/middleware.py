@@ -7,13 +7,14 @@ import json
 import logging
 import time
 
-from .auth import authorized
+from .auth import key_id, matching_key
 from .errors import Unauthorized
 from .metrics import Metrics
 
 log = logging.getLogger("pie.serve")
 
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/inferlets", "/v1/instances", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/inferlets", "/v1/instances", "/metrics",
+             "/health")
 
 
 def endpoint(path: str) -> str:
@@ -55,7 +56,8 @@ class RequestLog:
 
 
 class ApiKeys:
-    """401 for /v1/ requests without a valid bearer key, before the body is read or anything runs."""
+    """401 for /v1/ requests without a valid bearer key, before the body is read or anything runs;
+    a request with one is owned by it (scope["state"]["owner"], its key_id: instances, limits)."""
 
     def __init__(self, app, keys: list[str] | None):
         self.app, self.keys = app, keys
@@ -63,7 +65,10 @@ class ApiKeys:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.keys is not None and scope["path"].startswith("/v1/"):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not authorized(self.keys, header):
+            key = matching_key(self.keys, header)
+            if key is not None:
+                scope.setdefault("state", {})["owner"] = key_id(key)
+            else:
                 err = Unauthorized("a valid API key is required: send `Authorization: Bearer KEY`")
                 body = json.dumps(err.body()).encode()
                 await send({"type": "http.response.start", "status": err.status,

@@ -31,14 +31,14 @@ async def models(request: Request) -> dict:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     svc = _service(request)
-    gen = svc.generate(body, body.prompt_text(), body.max_tokens)
+    gen = await svc.generate(request, body, body.prompt_text(), body.max_tokens)
     return await _respond(gen, CompletionShape(svc.model, body.include_usage()), body.stream)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     svc = _service(request)
-    gen = svc.generate(body, svc.render_chat(body.messages), body.token_limit())
+    gen = await svc.generate(request, body, svc.render_chat(body.messages), body.token_limit())
     return await _respond(gen, ChatShape(svc.model, body.include_usage()), body.stream)
 
 

@@ -48,18 +48,20 @@ class Run:
     """One launched instance. Its events are `text` as it streams, then at the end `tokens`,
     `stats`, `return` (the RunResult as `pie run --json` prints it) and, if it failed, `error`."""
 
-    def __init__(self, runs: "Runs", program: Program, args: list[str], limits: Limits, detach: bool):
+    def __init__(self, runs: "Runs", program: Program, args: list[str], limits: Limits, detach: bool,
+                 owner: str | None, arrived: float):
         self.id = f"inst_{secrets.token_hex(12)}"
         self.program, self.args, self.limits, self.detach = program, args, limits, detach
+        self.owner = owner  # the key that launched it: only that key sees, attaches to or cancels it
         self.created = int(time.time())
         self.result: RunResult | None = None
         self._loop = asyncio.get_running_loop()
         self._events: list[str] = []
         self._grew = asyncio.Event()  # replaced on each append: a waiter holds the one it saw
         self._runs = runs
-        self.handle: RunHandle = runs.instances.spawn(program.path, args, name=program.run_name,
-                                                      on_text=self._on_text, on_result=self._on_result,
-                                                      limits=limits)
+        self.handle: RunHandle = runs.instances.spawn(program.path, args, name=program.run_name, owner=owner,
+                                                      arrived=arrived, on_text=self._on_text,
+                                                      on_result=self._on_result, limits=limits)
 
     # from the instance's threads: hand over to the event loop
     def _post(self, fn, *a) -> None:
@@ -131,7 +133,8 @@ class Run:
 
 
 class Runs:
-    """The launched runs by id: running ones, and the last KEEP_ENDED ended ones."""
+    """The launched runs by id: running ones, and the last KEEP_ENDED ended ones. A key sees only
+    its own: another key's run is as unknown to it as one that never was."""
 
     def __init__(self, instances: Instances):
         self.instances = instances
@@ -139,8 +142,10 @@ class Runs:
         self._ended_ids: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
 
-    def launch(self, program: Program, args: list[str], limits: Limits, detach: bool) -> Run:
-        run = Run(self, program, args, limits, detach)
+    def launch(self, program: Program, args: list[str], limits: Limits, detach: bool, owner: str | None,
+               arrived: float) -> Run:
+        """Start the run in the slot `owner` holds (Admission.acquire)."""
+        run = Run(self, program, args, limits, detach, owner, arrived)
         with self._lock:
             self._runs[run.id] = run
         return run
@@ -151,14 +156,14 @@ class Runs:
             while len(self._ended_ids) > KEEP_ENDED:
                 self._runs.pop(self._ended_ids.popleft(), None)
 
-    def get(self, run_id: str) -> Run:
+    def get(self, run_id: str, owner: str | None) -> Run:
         with self._lock:
             run = self._runs.get(run_id)
-        if run is None:
+        if run is None or run.owner != owner:
             raise NotFound(f"no instance {run_id!r} (ended ones are kept for the last {KEEP_ENDED})",
                            param="instance_id", code="instance_not_found")
         return run
 
-    def list(self) -> list[Run]:
+    def list(self, owner: str | None) -> list[Run]:
         with self._lock:
-            return list(self._runs.values())
+            return [r for r in self._runs.values() if r.owner == owner]

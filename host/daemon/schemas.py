@@ -1,14 +1,22 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic). Fields this server does not
 know are ignored, as OpenAI-compatible servers do; fields it knows but cannot honour yet
-(`n` other than 1, a `response_format` other than text) are refused by `check_supported`."""
+(`n` other than 1) are refused by `check_supported`. A `response_format` of `json_object` or
+`json_schema` is served by the constrained-speculative-decoding inferlet (`json_schema_text`).
+`inferlet` and `inferlet_args` are this server's extensions (the openai client sends them in
+`extra_body`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import BadRequest
+
+
+# the inferlet arguments a completion sets from its own fields (the prompt comes templated: no --chat)
+SET_BY_REQUEST = frozenset({"--prompt", "--chat", "--max-tokens", "--temperature", "--top-p", "--seed"})
 
 
 class StreamOptions(BaseModel):
@@ -30,6 +38,19 @@ class SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: dict | None = None
+    # extensions: the inferlet that serves this request (a built-in's or an upload's name, or a
+    # sha256; None: the server's --default-inferlet) and arguments of its own
+    inferlet: str | None = Field(None, min_length=1)
+    inferlet_args: list[str] = []
+
+    def extra_args(self) -> list[str]:
+        """inferlet_args, refused where they would override what the request's own fields set."""
+        for arg in self.inferlet_args:
+            flag = arg.partition("=")[0]
+            if flag in SET_BY_REQUEST:
+                raise BadRequest(f"inferlet_args: {flag} is set from the request's fields "
+                                 f"({', '.join(sorted(SET_BY_REQUEST))} are not allowed here)", param="inferlet_args")
+        return list(self.inferlet_args)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -41,11 +62,27 @@ class SamplingRequest(BaseModel):
         if self.n not in (None, 1):
             raise BadRequest(f"n={self.n} is not supported: this server returns one choice per request (n=1)",
                              param="n", code="unsupported_value")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise BadRequest("response_format is not supported yet: constrained (JSON) decoding has no inferlet "
-                             "in this server", param="response_format", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
+
+    def json_schema_text(self) -> str | None:
+        """The JSON Schema the output must satisfy (OpenAI's response_format), or None for free text:
+        `json_object` is any JSON object; `json_schema` carries {"name", "schema", "strict"}."""
+        fmt = self.response_format
+        kind = "text" if fmt is None else fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return json.dumps({"type": "object"})
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise BadRequest("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                                 param="response_format")
+            return json.dumps(schema)
+        raise BadRequest(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                         param="response_format", code="unsupported_value")
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

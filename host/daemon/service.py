@@ -3,25 +3,37 @@ request becomes the inferlet's arguments."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastapi import Request
+
+from ..grammar import GrammarError
 from ..runtime.cli import BUILD
+from ..runtime.grammars import grammars_for
 from ..runtime.runtime import Runtime
 from ..store import pie_home
-from .errors import BadRequest, UnknownModel
+from .admission import Admission
+from .errors import BadRequest, NotFound, UnknownModel
 from .instances import Generation, Instances
 from .metrics import Metrics
-from .programs import Programs
+from .programs import Program, Programs
 from .runs import Runs
 from .schemas import ChatMessage, SamplingRequest
+
+CONSTRAINED = "constrained-speculative-decoding"  # serves a response_format
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    inferlet: Path  # the .wasm that serves completions (text-completion by default)
+    inferlet: Path  # the .wasm that serves completions unless a request names another (text-completion)
     max_instances: int = 8  # OpenAI requests and launched inferlets together
+    max_queue: int = 32  # requests waiting for a slot; past them 429
+    max_instances_per_key: int | None = None  # running and waiting, per API key; None: no limit
     api_keys: list[str] | None = None  # None: no authentication
     builtin_dir: Path = BUILD  # the built inferlets the inferlet API lists and launches by name
     upload_dir: Path | None = None  # None: $PIE_HOME/inferlets
@@ -35,10 +47,41 @@ class Service:
         self.config = config
         self.model = self.engine.info.name
         self.metrics = Metrics(self.model)
-        self.instances = Instances(runtime, config.inferlet, config.max_instances, self.metrics)
+        self.admission = Admission(config.max_instances, config.max_queue, config.max_instances_per_key)
+        self.metrics.watch(lambda: self.admission.running, lambda: self.admission.waiting)
+        self.instances = Instances(runtime, self.admission, self.metrics)
         self.programs = Programs(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",
                                  config.max_upload_bytes)
         self.runs = Runs(self.instances)
+        wasm = config.inferlet.read_bytes()
+        self.default_program = Program(config.inferlet.stem, hashlib.sha256(wasm).hexdigest(), len(wasm), True,
+                                       config.inferlet)
+
+    async def admit(self, request: Request) -> tuple[str | None, float]:
+        """A slot for the request's key (waiting in the queue if need be; leaving it if the
+        client goes away): (its owner, when it arrived)."""
+        arrived = time.perf_counter()
+        owner = owner_of(request)
+        await self.admission.acquire(owner, lambda: _client_gone(request))
+        return owner, arrived
+
+    def completion_program(self, name: str | None) -> Program:
+        """The inferlet a completion names (a built-in's or an upload's name, or a sha256), else the default."""
+        if name is None:
+            return self.default_program
+        try:
+            return self.programs.resolve(name)
+        except NotFound as e:  # a bad field of the request, as OpenAI reports one
+            raise BadRequest(e.message, param="inferlet", code="inferlet_not_found") from None
+
+    def constrained_program(self, name: str | None, schema: str) -> Program:
+        """The inferlet that serves a response_format: constrained-speculative-decoding (or the one
+        the request names). The schema is compiled here, so a bad one is a 400 before any work."""
+        try:
+            grammars_for(self.engine).compile("json-schema", schema)
+        except GrammarError as e:
+            raise BadRequest(f"response_format: {e}", param="response_format") from None
+        return self.completion_program(name or CONSTRAINED)
 
     def check_model(self, name: str) -> None:
         if name != self.model:
@@ -60,11 +103,18 @@ class Service:
         except Exception as e:  # jinja raises its own exceptions for conversations a template rejects
             raise BadRequest(f"the chat template rejected the messages: {e}", param="messages") from None
 
-    def generate(self, req: SamplingRequest, prompt: str, max_tokens: int | None) -> Generation:
-        """Start the inferlet on `prompt` (already templated: passed without --chat)."""
+    async def generate(self, request: Request, req: SamplingRequest, prompt: str, max_tokens: int | None) -> Generation:
+        """Start the request's inferlet on `prompt` (already templated: passed without --chat),
+        once admission gives it a slot."""
         self.check_model(req.model)
         req.check_supported()
         stops = req.stops()
+        schema = req.json_schema_text()
+        if schema is None:
+            program = self.completion_program(req.inferlet)
+        else:
+            program = self.constrained_program(req.inferlet, schema)
+        extra = req.extra_args() + ([] if schema is None else ["--json-schema", schema])
         # the same encoding as the inferlet's (the bindings' encode): the prompt's token count
         n_prompt = len(self.engine.tokenizer.encode(prompt, add_special_tokens=False))
         if n_prompt == 0:
@@ -80,5 +130,19 @@ class Service:
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         args = ["--prompt", prompt, "--max-tokens", str(max_tokens), "--temperature", repr(temperature),
-                "--top-p", repr(top_p), "--seed", str(seed)]
-        return self.instances.start(args, prompt_tokens=n_prompt, stops=stops)
+                "--top-p", repr(top_p), "--seed", str(seed), *extra]
+        owner, arrived = await self.admit(request)
+        gen = Generation(self.instances, program, args, n_prompt, stops, owner, arrived)  # a failed start frees its slot
+        self.metrics.started(program.run_name, n_prompt)
+        return gen
+
+
+def owner_of(request: Request) -> str | None:
+    """Who sent the request: its API key's id (set by the ApiKeys middleware), None without keys."""
+    return request.scope.get("state", {}).get("owner")
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has closed its connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # a server that answers at once with empty bodies: do not spin

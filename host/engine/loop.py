@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..epilogue import DeviceChannel, Env, Program, Result, host_readable
+from ..epilogue import DeviceChannel, Env, GrammarMatcher, Program, Result, host_readable
 from ..errors import InvalidArgument, detached, unexpected
 from .engine import Fold, Pass, PassOutput
 from .working_set import WorkingSet
@@ -87,6 +87,7 @@ class DeviceLoop:
     fold_channel: DeviceChannel | None = None  # with Fold.CHANNEL: cell 0, read after the epilogue
     seed: int = 0
     hidden: bool = False
+    matchers: dict[str, GrammarMatcher] = field(default_factory=dict)  # name in the program -> matcher
     round: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
     done: Future = field(default_factory=Future)
@@ -165,7 +166,7 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
                 window, window_len = None, ps.window
         logits = out.logits.numpy() if host else out.logits
         envs[i] = Env(logits=logits, window=window, history=hist, hidden=out.hidden, channels=loop.channels,
-                      seed=loop.seed, round=loop.round, window_len=window_len, position=first)
+                      matchers=loop.matchers, seed=loop.seed, round=loop.round, window_len=window_len, position=first)
         key = (id(loop.program), out.logits.shape[0], ps.window, None if hist is None else hist.shape[0],
                out.hidden is None)
         groups.setdefault(key, []).append(i)

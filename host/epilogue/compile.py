@@ -106,6 +106,9 @@ class Program:
         for kind in self._tensors:
             if getattr(env, kind) is None:
                 raise ProgramError(f"epilogue reads '{kind}' but the pass does not provide it")
+        for name in self.checked.matchers:
+            if name not in env.matchers:
+                raise ProgramError(f"epilogue uses matcher {name!r} but it is not bound")
         for name in self._bound:
             ch = env.channels.get(name)
             if ch is None:

@@ -44,6 +44,22 @@ class DeviceChannel(Protocol):
         """After a round (lock held): hand the round's new cells to the sink; none stay in the channel."""
 
 
+class GrammarMatcher(Protocol):
+    """A sequence's place in a grammar, as the grammar ops use it (host/grammar's Matcher; the
+    executor never imports a grammar engine). Its calls run on the host."""
+
+    def window_masks(self, window: list[int]) -> np.ndarray:
+        """bool [W, V]: row 0 the tokens allowed now, row j those allowed after window[1..j];
+        all false from the first draft the grammar forbids on. The state is unchanged."""
+
+    def commit(self, tokens: list[int], at: int) -> None:
+        """Consume tokens (raising InvalidArgument for one the grammar forbids); a second commit
+        for the same window position `at` changes nothing (a retried run)."""
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next."""
+
+
 @dataclass
 class SimpleChannel:
     """The minimal DeviceChannel: a buffer and a length (stand-alone executor use, tests)."""
@@ -92,6 +108,7 @@ class Env:
     hidden: torch.Tensor | np.ndarray | None = None
     draft_logits: torch.Tensor | np.ndarray | None = None
     channels: Mapping[str, DeviceChannel] = field(default_factory=dict)
+    matchers: Mapping[str, GrammarMatcher] = field(default_factory=dict)
     seed: int = 0
     round: int = 0
     window_len: int | None = None

@@ -158,10 +158,10 @@ def parse(text: str) -> dict:
     version = obj.get("version")
     if type(version) is not int or version != VERSION:  # not true, not 1.0
         raise ProgramError(f"epilogue program version {short(version)} is not supported; use {VERSION}")
-    unknown = set(obj) - {"version", "dims", "channels", "inputs", "ops"}
+    unknown = set(obj) - {"version", "dims", "channels", "matchers", "inputs", "ops"}
     if unknown:
         raise ProgramError(f"epilogue program has unknown keys {short(sorted(unknown))}")
-    for key, typ in (("dims", dict), ("channels", list), ("inputs", list), ("ops", list)):
+    for key, typ in (("dims", dict), ("channels", list), ("matchers", list), ("inputs", list), ("ops", list)):
         obj.setdefault(key, typ())
         if not isinstance(obj[key], typ):
             raise ProgramError(f"epilogue program '{key}' must be a JSON {typ.__name__.replace('dict', 'object').replace('list', 'array')}")

@@ -65,6 +65,7 @@ class Ctx:
     seeds: list[int]
     positions: list[int]  # per pass: the absolute position of its window's first row
     values: list[Value]
+    matchers: list = None  # per pass: name -> GrammarMatcher (env.py), for the grammar ops
 
     def shape(self, v: Value) -> list[int]:
         return [d.resolve(self.bind) for d in v.shape]

@@ -155,7 +155,8 @@ class _Builder:
         self.result(effects, writes)
         head = ["env0 = envs[0]", "chs = env0.channels"] if self.B == 1 else []
         if self.uses_ctx:
-            head.append("ctx = Ctx(%d, dev, bind, [e.seed for e in envs], [e.position for e in envs], values)" % self.B)
+            head.append("ctx = Ctx(%d, dev, bind, [e.seed for e in envs], [e.position for e in envs], values, "
+                        "[e.matchers for e in envs])" % self.B)
         src = "def run(envs, bind, dev):\n" + "".join(f"    {line}\n" for line in head + self.lines)
         exec(compile(src, "<epilogue plan>", "exec"), self.scope)
         fn = self.scope["run"]

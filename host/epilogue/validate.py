@@ -25,6 +25,7 @@ class Checked:
     dims: dict[str, int]  # symbols fixed to ints
     alias: dict[str, str]  # symbols declared equal to another symbol (e.g. R == W); bound per pass
     channels: dict[str, Channel]
+    matchers: tuple[str, ...]  # grammar matchers, bound by name per pass (Env.matchers)
     inputs: list[Input]
     values: list[Value]
     ops: list[Op]
@@ -76,12 +77,25 @@ def _channels(raw: list) -> dict[str, Channel]:
     return channels
 
 
+def _matchers(raw: list) -> tuple[str, ...]:
+    """'matchers': the names of the grammar matchers the program's grammar ops use."""
+    names: list[str] = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, str) or not m:
+            _fail(f"matcher {i}", f"must be a non-empty name, got {short(m)}")
+        if m in names:
+            _fail(f"matcher {i}", f"matcher {short(m)} declared twice")
+        names.append(m)
+    return tuple(names)
+
+
 def check(obj: dict) -> Checked:
     fixed, alias = _parse_dims(obj["dims"])
     # What shapes are written in: an alias of a fixed symbol is that int, else its target symbol.
     dims: dict[str, int | str] = {**fixed, **{k: fixed.get(v, v) for k, v in alias.items()}}
     channels = _channels(obj["channels"])
-    typing = Typing("", dims, channels)
+    matchers = _matchers(obj["matchers"])
+    typing = Typing("", dims, channels, matchers)
 
     values: list[Value] = []
     inputs: list[Input] = []
@@ -135,7 +149,7 @@ def check(obj: dict) -> Checked:
         outs = list(range(len(values), len(values) + spec.results))
         values.extend(res)
         ops.append(Op(i, name, list(args), attrs, outs))
-    checked = Checked(fixed, alias, channels, inputs, values, ops)
+    checked = Checked(fixed, alias, channels, matchers, inputs, values, ops)
     Budget(checked).check(None)
     return checked
 

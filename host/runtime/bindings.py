@@ -34,6 +34,8 @@ from ..errors import InvalidArgument, BadHandle, Internal, PieError, detached
 from .channels import Channel
 from .detok import Detokenizer
 from .errors import BudgetExceeded, Cancelled, ChannelClosed, Unsupported
+from .grammars import GrammarCalls
+from ..grammar import Matcher
 from .imports import PACKAGE as WIT_PACKAGE, VERSION, declared, error_codes
 from .limits import Limits, flag
 from .sampling import Sampler, greedy
@@ -312,6 +314,7 @@ class InstanceHost:
                 "release-epilogue": self.release_epilogue,
                 "run-loop": self.run_loop,
             },
+            "grammars": GrammarCalls(self, _Registered).functions(),
         }
 
     # ---- runtime -----------------------------------------------------------------------
@@ -506,9 +509,9 @@ class InstanceHost:
         else:  # literal tokens feed the first round through a private channel
             src = Channel("uint32", window, self.engine.device)
             src.put(embed)
-        program, channels, seed = None, {}, 0
+        program, channels, matchers, seed = None, {}, {}, 0
         if call is not None:
-            program, channels = self._get(_field(call, "program", "epilogue call"), _Registered, "epilogue").bound()
+            program, channels, matchers = self._get(_field(call, "program", "epilogue call"), _Registered, "epilogue").bound()
             seed = _u64(_field(call, "seed", "epilogue call"), "seed")
         fold_channel = None
         if fold.tag == "from-channel":
@@ -521,7 +524,7 @@ class InstanceHost:
             raise InvalidArgument("fold from-epilogue, but the epilogue has no fold effect")
         # the loop records its rounds straight into the inferlet's draft statistics
         rule = {"all": Fold.ALL, "from-channel": Fold.CHANNEL, "from-epilogue": Fold.EPILOGUE}.get(fold.tag, fold.payload)
-        loop = DeviceLoop(ws, program, channels, src, max_window=window, rounds=rounds or 1, readout=rows,
+        loop = DeviceLoop(ws, program, channels, src, matchers=matchers, max_window=window, rounds=rounds or 1, readout=rows,
                           fold=rule, fold_channel=fold_channel, seed=seed, stats=self.draft_stats,
                           on_round=self._count_round, hidden=program is not None and "hidden" in program.uses)
         return loop, kind
@@ -662,12 +665,19 @@ class _Link:
 
 
 class _Registered:
-    """A registered epilogue: the compiled program and its channel handles."""
+    """A registered epilogue: the compiled program, its channel handles and its matcher handles
+    (grammars.bind-matcher)."""
 
     def __init__(self, host: InstanceHost, program, channels: dict[str, int]):
         self.host = host
         self.program = program
         self.channels = channels
+        self.matchers: dict[str, int] = {}
 
     def bound(self):
-        return self.program, {name: self.host._ch(h) for name, h in self.channels.items()}
+        missing = [m for m in self.program.checked.matchers if m not in self.matchers]
+        if missing:
+            raise InvalidArgument(f"the epilogue declares matcher {missing[0]!r}, but no matcher is bound to it "
+                                  f"(grammars.bind-matcher)")
+        matchers = {name: self.host._get(h, Matcher, "matcher") for name, h in self.matchers.items()}
+        return self.program, {name: self.host._ch(h) for name, h in self.channels.items()}, matchers

@@ -3,7 +3,8 @@
 wasmtime-py links a Python host function to an import of any type and lowers arguments by
 the type the component declared, so a component built against another version of the
 interface would reach the host with values of other types. This reads the WIT (the subset
-inferlet.wit uses) and compares it with the component's import types, function by function.
+inferlet.wit uses) and compares it with the component's import types, function by function,
+after checking the package version each import names against wit/VERSIONING.md's rule.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from .errors import InferletError
 
 WIT = Path(__file__).resolve().parents[2] / "wit" / "inferlet.wit"
 PACKAGE, VERSION = re.search(r"^package\s+([\w:-]+)@([\w.-]+);", WIT.read_text(), re.M).groups()
+
+
+def parse_version(v: str) -> tuple[int, int, int] | None:
+    """MAJOR.MINOR.PATCH as ints, or None for anything else (a pre-release or build suffix included)."""
+    m = re.fullmatch(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)", v)
+    return None if m is None else tuple(map(int, m.groups()))
+
+
+if parse_version(VERSION) is None:  # the rule below compares numbers; a host must have them
+    raise ValueError(f"{WIT.name}: package version {VERSION!r} is not MAJOR.MINOR.PATCH (wit/VERSIONING.md)")
 
 # A type is a string (a primitive) or a tuple: ("list", t), ("option", t), ("result", ok, err),
 # ("tuple", ts), ("record", ((name, t), ...)), ("variant", ((name, t or None), ...)), ("enum", names).
@@ -40,6 +51,24 @@ def error_codes() -> tuple[str, ...]:
     """The cases of the WIT's `error-code` enum: the codes a host function may return."""
     kind, names = _wit()[0]["types"]["error-code"]
     return names
+
+
+def incompatibility(built: str, host: str) -> str | None:
+    """Why a component built against pie:inferlet@`built` cannot run on a host implementing
+    @`host`, or None when it can (wit/VERSIONING.md): the same track (the major version; the
+    minor one while the major is 0; the exact version while both are 0) and not newer."""
+    b, h = parse_version(built), parse_version(host)
+    if b is None:
+        return f"{built!r} is not a MAJOR.MINOR.PATCH version"
+    if b == h:
+        return None
+    track = 1 if h[0] else 2 if h[1] else 3  # how many leading numbers must be equal
+    if b[:track] != h[:track]:
+        kind = ("major", "minor", "patch")[min(i for i in range(track) if b[i] != h[i])]
+        return f"another {kind} version may change what existing functions take and return"
+    if b > h:
+        return "it is newer, and may import what this host lacks"
+    return None
 
 
 def _parse(text: str) -> dict:
@@ -194,7 +223,14 @@ def check(component, engine) -> None:
         if not name.startswith(prefix):
             continue  # WASI and the rest: the linker refuses what it lacks
         iface, _, version = name[len(prefix):].partition("@")
-        if iface not in want or version != VERSION:
+        if not version:
+            raise InferletError(f"the component imports {name} without a version; this host implements "
+                                f"{PACKAGE}@{VERSION}")
+        why = incompatibility(version, VERSION)
+        if why is not None:
+            raise InferletError(f"the component was built against {PACKAGE}@{version}, which this host's "
+                                f"{PACKAGE}@{VERSION} cannot run: {why} (wit/VERSIONING.md)")
+        if iface not in want:
             raise InferletError(f"the component imports {name}, which {PACKAGE}@{VERSION} does not declare")
         inst = ext.ty
         if not isinstance(inst, ComponentInstanceType):

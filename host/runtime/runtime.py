@@ -21,9 +21,11 @@ import wasmtime
 from wasmtime.component import Linker
 
 from ..engine import Engine
+from ..engine.loop import LoopStats
 from ..engine.scheduler import Scheduler
 from ..errors import PieError
 from . import imports
+from .imports import PACKAGE as WIT_PACKAGE, VERSION as WIT_VERSION
 from .bindings import InstanceHost
 from .cache import ComponentCache
 from .errors import InferletError
@@ -56,6 +58,8 @@ class RunHandle:
         self.thread: threading.Thread | None = None
         self._result: RunResult | None = None
         self._cancel: Callable[[str], None] | None = None  # cleared when the run ends: it reaches the instance
+        # the instance's draft counts, by position (read after the run: `pie serve`'s speculative metrics)
+        self.draft_stats: LoopStats | None = None
 
     def cancel(self, reason: str = "the run was cancelled") -> None:
         """End the run: its loops stop, its pages are freed, it fails with `cancelled: reason`."""
@@ -152,6 +156,7 @@ class Runtime:
                             kv_quota=self.engine.pool.quota(limits.kv_share), limits=limits)
         handle = RunHandle()
         handle._cancel = host.cancel
+        handle.draft_stats = host.draft_stats
 
         def target() -> None:
             try:
@@ -227,7 +232,7 @@ class Runtime:
         except wasmtime.WasmtimeError as e:
             msg = str(e).strip().splitlines()[0]
             if "matching implementation was not found" in msg or "type mismatch" in msg or "expected" in msg:
-                raise InferletError(f"the component was not built against the pie:inferlet@0.1.0 world: {msg}") from None
+                raise InferletError(f"the component was not built against the {WIT_PACKAGE}@{WIT_VERSION} world: {msg}") from None
             raise
         run = instance.get_func(store, "run")
         if run is None:
@@ -259,6 +264,8 @@ class Runtime:
             "acceptance_by_position": host.draft_stats.acceptance_by_position(),
             # committed output tokens per target forward pass (1.0 for plain autoregressive decoding)
             "mean_accepted_per_pass": round(generated / host.passes, 4) if host.passes else 0.0,
+            # "stop": the output ends with an end-of-sequence token; "length": it was cut short (OpenAI's names)
+            "finish": "stop" if host.token_ids and host.token_ids[-1] in host.engine.info.eos_ids else "length",
             "guest_calls": host.guest_calls,
             "wall_s": round(wall, 4),
             "tokens_per_s": round(generated / wall, 3) if wall > 0 else 0.0,

@@ -8,9 +8,15 @@ or "$var.field.0" is an earlier step's result (handles, tokens). Outcomes:
 {"ok": value} | {"error": code, "message": text} | {"unbound": "$var"}, each sent at once on
 its own line after MARK (so the steps before a trap are still reported, and text a case
 sends or emits stays apart).
+
+With --start-at T (Unix seconds) it first waits until then (at most START_S seconds): the
+runner gives instances launched together one T so that their passes share batches.
+With --hold the probe then reports {"held": true} and stays alive, its handles with it, until
+the runner cancels it (a case with several instances; at most HOLD_S seconds).
 """
 
 import json
+import time
 from dataclasses import fields, is_dataclass
 from enum import Enum
 
@@ -18,12 +24,15 @@ import wit_world
 from componentize_py_types import Err
 from wit_world.imports import channels as _ch
 from wit_world.imports import forward as _fw
+from wit_world.imports import grammars as _gr
 from wit_world.imports import runtime as _rt
 from wit_world.imports import tokenizer as _tok
 from wit_world.imports import working_sets as _ws
 
 
 MARK = "@probe "  # host/conformance/runner.py reads the lines that start with it
+HOLD_S = 60.0  # a held probe whose runner went away still ends
+START_S = 10.0  # a start time far off (another machine's clock) delays a case this much at most
 
 
 class Unbound(Exception):
@@ -88,6 +97,10 @@ def _pass(v):
                     None if call is None else _fw.EpilogueCall(call["program"], call.get("seed", 0)))
 
 
+def _grammar_kind(v):
+    return _gr.GrammarKind[v.upper().replace("-", "_")]
+
+
 def _bindings(v):
     return [_fw.ChannelBinding(b["name"], b["channel"]) for b in v]
 
@@ -132,6 +145,18 @@ CALLS = {
     "forward.register-epilogue": (_fw.register_epilogue, (P, _bindings)),
     "forward.release-epilogue": (_fw.release_epilogue, (P,)),
     "forward.run-loop": (_fw.run_loop, (_pass, P)),
+    "grammars.compile": (_gr.compile, (_grammar_kind, P)),
+    "grammars.release-grammar": (_gr.release_grammar, (P,)),
+    "grammars.create-matcher": (_gr.create_matcher, (P,)),
+    "grammars.accept": (_gr.accept, (P, P)),
+    "grammars.validate": (_gr.validate, (P, P)),
+    "grammars.allowed": (_gr.allowed, (P,)),
+    "grammars.forced": (_gr.forced, (P,)),
+    "grammars.rollback": (_gr.rollback, (P, P)),
+    "grammars.fork": (_gr.fork, (P,)),
+    "grammars.state": (_gr.state, (P,)),
+    "grammars.bind-matcher": (_gr.bind_matcher, (P, P, P)),
+    "grammars.release-matcher": (_gr.release_matcher, (P,)),
 }
 
 
@@ -193,8 +218,15 @@ class WitWorld(wit_world.WitWorld):
     def run(self) -> None:
         args = _rt.get_arguments()
         steps = json.loads(args[args.index("--steps") + 1])
+        if "--start-at" in args:
+            time.sleep(max(0.0, min(float(args[args.index("--start-at") + 1]) - time.time(), START_S)))
         env: dict = {}
         for i, step in enumerate(steps):
             out = perform(step, env)
             out["step"] = i
             _rt.send("\n" + MARK + json.dumps(out) + "\n")
+        if "--hold" in args:
+            _rt.send("\n" + MARK + json.dumps({"held": True}) + "\n")
+            end = time.monotonic() + HOLD_S
+            while time.monotonic() < end:  # the host's cancellation ends it at its next check
+                time.sleep(0.02)

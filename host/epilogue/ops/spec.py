@@ -20,7 +20,8 @@ F32_MAX = 3.4028234663852886e38
 class Attr:
     """An attribute's JSON type, bounds and default. kind: 'int', 'int?' (int or null), 'num'
     (a finite number), 'dtype', 'dims' (a list of dims), 'dim', 'value' (a scalar or a nested
-    list, checked against the op's dtype by its type rule), 'channel' (a channel's name).
+    list, checked against the op's dtype by its type rule), 'channel' (a channel's name), 'matcher'
+    (a grammar matcher's name).
     default: a value, REQUIRED, or a function of the other attributes (already defaulted)."""
 
     kind: str
@@ -146,9 +147,9 @@ def _check_attr(where: str, key: str, a: Attr, v):
     if a.kind == "value":
         const_shape(where, v)  # rectangular, bounded; element types are the type rule's
         return v
-    if a.kind == "channel":
+    if a.kind in ("channel", "matcher"):
         if not isinstance(v, str) or not v:
-            bad("a channel name")
+            bad(f"a {a.kind} name")
         return v
     raise AssertionError(a.kind)
 
@@ -210,6 +211,7 @@ class Typing:
     where: str
     dims: dict  # symbol -> int (fixed) or symbol (alias)
     channels: dict = field(default_factory=dict)  # name -> ir.Channel
+    matchers: tuple = ()  # the names of the grammar matchers the program declares
 
     def fail(self, msg: str):
         raise ProgramError(f"{self.where}: {msg}")
@@ -248,6 +250,11 @@ class Typing:
         if not isinstance(name, str) or name not in self.channels:
             self.fail(f"unknown channel {short(name)}; declare it in 'channels'")
         return self.channels[name]
+
+    def matcher(self, name) -> str:
+        if name not in self.matchers:
+            self.fail(f"unknown matcher {short(name)}; declare it in 'matchers'")
+        return name
 
     def const(self, v, dtype: str) -> tuple[list, tuple[int, ...]]:
         flat, shape = const_shape(self.where, v)

@@ -1,4 +1,4 @@
-"""Model, WorkingSet, ForwardPass, StateGeometry, Channel and Sampler over the WIT imports.
+"""Model, WorkingSet, ForwardPass, StateGeometry, Channel, Sampler, Grammar and Matcher over the WIT imports.
 
 Each method is one guest->host crossing unless its docstring says otherwise; a decode step
 with `ForwardPass.next_token` plus `emit` is two.
@@ -7,6 +7,7 @@ with `ForwardPass.next_token` plus `emit` is two.
 from componentize_py_types import Err
 from wit_world.imports import channels as _ch
 from wit_world.imports import forward as _fw
+from wit_world.imports import grammars as _gr
 from wit_world.imports import runtime as _rt
 from wit_world.imports import tokenizer as _tok
 from wit_world.imports import working_sets as _ws
@@ -268,3 +269,59 @@ class Channel:
 
     def release(self) -> None:
         _call(_ch.release, self.handle)
+
+
+class Grammar:
+    """A compiled grammar. kind: 'json-schema', 'regex' or 'lark'; a bad source raises PieError
+    (invalid-argument) with the grammar engine's message."""
+
+    _KINDS = {"json-schema": "JSON_SCHEMA", "regex": "REGEX", "lark": "LARK"}
+
+    def __init__(self, kind: str, source: str):
+        if kind not in self._KINDS:
+            raise UsageError("grammar kind must be one of %s" % ", ".join(self._KINDS))
+        self.handle = _call(_gr.compile, getattr(_gr.GrammarKind, self._KINDS[kind]), source)
+
+    def matcher(self) -> "Matcher":
+        return Matcher(_call(_gr.create_matcher, self.handle))
+
+    def release(self) -> None:
+        _call(_gr.release_grammar, self.handle)
+
+
+class Matcher:
+    """One sequence's place in a grammar (see WIT `grammars`)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def accept(self, tokens) -> int:
+        return _call(_gr.accept, self.handle, list(tokens))
+
+    def validate(self, tokens) -> int:
+        return _call(_gr.validate, self.handle, list(tokens))
+
+    def allowed(self) -> list:
+        """The allowed next tokens as bit-set words (token t: bit t % 32 of word t // 32)."""
+        return _call(_gr.allowed, self.handle)
+
+    def forced(self) -> list:
+        return _call(_gr.forced, self.handle)
+
+    def rollback(self, n: int) -> None:
+        _call(_gr.rollback, self.handle, n)
+
+    def fork(self) -> "Matcher":
+        return Matcher(_call(_gr.fork, self.handle))
+
+    def state(self):
+        """(accepting, stopped, consumed)."""
+        st = _call(_gr.state, self.handle)
+        return st.accepting, st.stopped, st.consumed
+
+    def bind(self, epilogue, name: str) -> None:
+        """Use this matcher as the epilogue program's matcher `name`."""
+        _call(_gr.bind_matcher, epilogue.handle, name, self.handle)
+
+    def release(self) -> None:
+        _call(_gr.release_matcher, self.handle)

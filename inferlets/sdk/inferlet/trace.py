@@ -138,6 +138,7 @@ class Program:
             else:
                 self._dims[_DIM_NAMES[name]] = int(v)
         self._channels = {}
+        self._matchers = []
         self._inputs = []
         self._input_ids = {}
         self._ops = []
@@ -242,6 +243,12 @@ class Program:
         """A declared channel's current length, i64 scalar."""
         self._chan(name)
         return self._input("channel_len", "i64", name)
+
+    def matcher(self, name):
+        """Declare a grammar matcher the epilogue uses (bound with grammars.bind-matcher)."""
+        if name not in self._matchers:
+            self._matchers.append(name)
+        return name
 
     def _chan(self, name):
         if name not in self._channels:
@@ -357,6 +364,22 @@ class Program:
         """Overwrite channel name with values[:count] (its length becomes count)."""
         self._effect("set", name, values, count)
 
+    # --- grammar constraints ------------------------------------------------
+    def grammar_mask(self, window, matcher):
+        """bool [W, V]: row j allows what the matcher allows after window[1..j] (see the IR)."""
+        self._need_matcher(matcher)
+        return self._op("grammar_mask", [window], {"matcher": matcher}, "bool")
+
+    def grammar_commit(self, tokens, count, matcher, k):
+        """Commit tokens[:count] to the matcher -> (forced tokens [k] padded with -1, their number)."""
+        self._need_matcher(matcher)
+        return self._op("grammar_commit", [tokens, self._lift(count, "i64")], {"matcher": matcher, "k": int(k)},
+                        ["i64", "i64"], 2)
+
+    def _need_matcher(self, name):
+        if name not in self._matchers:
+            raise TraceError("unknown matcher %r: declare it with p.matcher(name)" % name)
+
     def _effect(self, kind, name, values, count):
         self._chan(name)
         if ("channel", name) in self._effects:
@@ -386,8 +409,11 @@ class Program:
         n_in = len(self._inputs)
         final = [i if kind == "in" else n_in + i for kind, i in self._where]
         ops = [{"op": o["op"], "args": [final[a] for a in o["args"]], "attrs": o["attrs"]} for o in self._ops]
-        return {"version": VERSION, "dims": dict(self._dims), "channels": list(self._channels.values()),
-                "inputs": list(self._inputs), "ops": ops}
+        doc = {"version": VERSION, "dims": dict(self._dims), "channels": list(self._channels.values()),
+               "inputs": list(self._inputs), "ops": ops}
+        if self._matchers:
+            doc["matchers"] = list(self._matchers)
+        return doc
 
     def to_json(self):
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

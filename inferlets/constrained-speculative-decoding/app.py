@@ -1,0 +1,76 @@
+"""constrained-speculative-decoding: speculative decoding under a grammar constraint.
+
+The guest compiles the grammar (--json-schema, --regex or --grammar) on the host, prefills
+prompt[:-1], traces the constrained program (`inferlet.constrained`: masked verification of the
+window, commit to the matcher, forced tokens and prompt lookup as the next drafts), binds its
+matcher and starts one looping pass. Then it only waits while the host streams "out". The
+output always matches the grammar; a run cut by --max-tokens before the grammar is complete
+ends with its last token not an end-of-sequence one (the run's stats say "finish": "length").
+"""
+
+import wit_world
+from componentize_py_types import Err
+from inferlet import (Channel, ForwardPass, Grammar, Model, PieError, StateGeometry, UsageError, arguments, emit_channel,
+                      parse_generation_args)
+from inferlet import constrained
+
+EXTRA = {"--json-schema": ("", str), "--regex": ("", str), "--grammar": ("", str), "--draft-len": (8, int),
+         "--ngram-max": (3, int), "--ngram-min": (2, int)}
+LOOKUP_WINDOW = 1024
+
+
+def grammar_of(extra) -> Grammar:
+    given = [(kind, extra[key]) for kind, key in (("json-schema", "json_schema"), ("regex", "regex"), ("lark", "grammar"))
+             if extra[key]]
+    if len(given) != 1:
+        raise UsageError("pass exactly one of --json-schema TEXT, --regex R, --grammar TEXT")
+    return Grammar(*given[0])
+
+
+def generate(args) -> None:
+    model = Model()
+    K, nmin, nmax = args.extra["draft_len"], args.extra["ngram_min"], args.extra["ngram_max"]
+    if K < 0 or not 1 <= nmin <= nmax:
+        raise UsageError("need --draft-len >= 0 and 1 <= --ngram-min <= --ngram-max")
+    grammar = grammar_of(args.extra)  # a bad grammar fails before any model work
+    prompt = model.prompt_tokens(args)
+    if args.max_tokens == 0:
+        return
+    matcher = grammar.matcher()
+    ws = model.working_set()
+    if len(prompt) > 1:
+        ForwardPass(ws, prompt[:-1]).execute()  # fold all; prompt[-1] is the first window's t0
+    try:
+        program, specs = constrained.constrained_program(
+            prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            lookup_window=LOOKUP_WINDOW, forced=matcher.forced())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    chans = {}
+    for spec in specs:
+        ch = Channel("i32", spec["capacity"])  # i32: the program's cells use -1 as "none"
+        if spec["init"]:
+            ch.put(spec["init"])
+        chans[spec["name"]] = ch
+    emit_channel(chans["out"])
+    ep = model.register_epilogue(program, chans)
+    matcher.bind(ep, constrained.MATCHER)
+    ForwardPass(ws, chans["window"], geometry=StateGeometry(K + 1, fold="epilogue"), readout=list(range(K + 1)),
+                epilogue=ep, seed=args.seed).run_loop(args.max_tokens)
+    while chans["out"].take():  # the host emits; this only waits for the loop ([] once it has ended)
+        pass
+    ep.release()
+    for ch in chans.values():
+        ch.release()
+    matcher.release()
+    grammar.release()
+    ws.release()
+
+
+class WitWorld(wit_world.WitWorld):
+    def run(self) -> None:
+        try:
+            generate(parse_generation_args(arguments(), EXTRA))
+        except (PieError, UsageError) as e:
+            raise Err(str(e))
