@@ -184,7 +184,7 @@ def test_killed_clients_leave_the_page_pool_as_it_was(runtime, text_completion_w
             assert text == alone[i]
         s.wait_idle()
         results = [h.result() for h in s.started]
-        assert [r.error for r in results[:4]] == ["cancelled: the client went away"] * 4
+        assert [r.error for r in results[:4]] == ["cancelled: the client went away"] * 4, [r.log[-3000:] for r in results[:4]]
         assert all(r.ok for r in results[4:]) and [r.text for r in results[4:]] == alone[:4]
         assert pool.free_pages == free
     finally:

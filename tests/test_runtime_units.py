@@ -140,3 +140,21 @@ def test_the_sampler_draws_what_a_traced_sample_draws(temperature, top_p):
         out = SimpleChannel.empty(1)
         prog.run([Env(logits=logits.clone(), channels={"out": out}, seed=seed, position=position)])
         assert out.buf.tolist() == Sampler(temperature, top_p, seed).sample(logits, position), trial
+
+
+def test_wasmtime_lowering_keeps_one_case_set_per_thread():
+    """wasmtime-py's lowering picks a result's case through a module-global set; bindings.py gives
+    each thread its own, so instances returning at once cannot read each other's classes."""
+    import threading
+
+    import host.runtime.bindings  # noqa: F401  (installs the repair)
+    from wasmtime.component import _types
+
+    cache = _types.case_test_cache
+    cache.clear()
+    cache.add(int)
+    seen = []
+    t = threading.Thread(target=lambda: (cache.clear(), cache.add(str), seen.append(set(cache))))
+    t.start()
+    t.join()
+    assert seen == [{str}] and set(cache) == {int}

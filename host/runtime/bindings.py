@@ -39,6 +39,9 @@ from ..grammar import Matcher
 from .imports import PACKAGE as WIT_PACKAGE, VERSION, declared, error_codes
 from .limits import Limits, flag
 from .sampling import Sampler, greedy
+from .wasmtime_threads import install as _install_per_thread_lowering
+
+_install_per_thread_lowering()
 
 PACKAGE = f"{WIT_PACKAGE}/{{}}@{VERSION}"
 _RESULTS = {f"{i}.{n}": r for i, funcs in declared().items() for n, (_, r) in funcs.items()}

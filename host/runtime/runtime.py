@@ -13,6 +13,7 @@ import re
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -195,6 +196,7 @@ class Runtime:
                 error = self._explain_trap(e, host, limits, _tail(log_path, limits.log_bytes))
             except Exception as e:  # a host bug: report it as this run's failure, never hang the caller
                 error = f"internal error: {type(e).__name__}: {e}"
+                host.fatal_trace = host.fatal_trace or traceback.format_exc()
             finally:
                 with self._live_lock:
                     self._live.pop(id(host), None)
