@@ -10,9 +10,9 @@ guest calls for the whole run instead of two per token.
 
 import wit_world
 from componentize_py_types import Err
-from inferlet import (Channel, ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, emit_channel,
-                      parse_generation_args)
+from inferlet import ForwardPass, Model, PieError, UsageError, arguments, parse_generation_args
 from inferlet import cacheback
+from inferlet.loop import run_window_loop
 
 # ngram-min 2: single-token matches propose drafts nearly every round and are mostly wrong, and
 # verifying any draft costs a step (a 2-row pass ~1.2x a 1-row pass on a CPU, 9 rows ~1.4x).
@@ -40,22 +40,7 @@ def generate(args) -> None:
             lookup_window=max(LOOKUP_WINDOW, 2 * K + 2))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    chans = {}
-    for spec in specs:
-        # i32, not u32: the program's cells use -1 as "none"
-        ch = Channel("i32", spec["capacity"])
-        if spec["init"]:
-            ch.put(spec["init"])
-        chans[spec["name"]] = ch
-    emit_channel(chans["out"])  # the host streams what the loop commits: no guest call per round
-    ep = model.register_epilogue(program, chans)
-    ForwardPass(ws, chans["window"], geometry=StateGeometry(K + 1, fold="epilogue"), readout=list(range(K + 1)),
-                epilogue=ep, seed=args.seed).run_loop(args.max_tokens)
-    while chans["out"].take():  # the host emits; this only waits for the loop ([] once it has ended)
-        pass
-    ep.release()
-    for ch in chans.values():
-        ch.release()
+    run_window_loop(model, ws, program, specs, K, args.max_tokens, args.seed)
     ws.release()
 
 

@@ -10,9 +10,9 @@ ends with its last token not an end-of-sequence one (the run's stats say "finish
 
 import wit_world
 from componentize_py_types import Err
-from inferlet import (Channel, ForwardPass, Grammar, Model, PieError, StateGeometry, UsageError, arguments, emit_channel,
-                      parse_generation_args)
+from inferlet import ForwardPass, Grammar, Model, PieError, UsageError, arguments, parse_generation_args
 from inferlet import constrained
+from inferlet.loop import run_window_loop
 
 EXTRA = {"--json-schema": ("", str), "--regex": ("", str), "--grammar": ("", str), "--draft-len": (8, int),
          "--ngram-max": (3, int), "--ngram-min": (2, int)}
@@ -47,22 +47,8 @@ def generate(args) -> None:
             lookup_window=LOOKUP_WINDOW, forced=matcher.forced())
     except ValueError as e:
         raise UsageError(str(e)) from None
-    chans = {}
-    for spec in specs:
-        ch = Channel("i32", spec["capacity"])  # i32: the program's cells use -1 as "none"
-        if spec["init"]:
-            ch.put(spec["init"])
-        chans[spec["name"]] = ch
-    emit_channel(chans["out"])
-    ep = model.register_epilogue(program, chans)
-    matcher.bind(ep, constrained.MATCHER)
-    ForwardPass(ws, chans["window"], geometry=StateGeometry(K + 1, fold="epilogue"), readout=list(range(K + 1)),
-                epilogue=ep, seed=args.seed).run_loop(args.max_tokens)
-    while chans["out"].take():  # the host emits; this only waits for the loop ([] once it has ended)
-        pass
-    ep.release()
-    for ch in chans.values():
-        ch.release()
+    run_window_loop(model, ws, program, specs, K, args.max_tokens, args.seed,
+                    bind=lambda ep: matcher.bind(ep, constrained.MATCHER))
     matcher.release()
     grammar.release()
     ws.release()

@@ -12,6 +12,7 @@ falling back to an LRU n-gram table that holds what fell out of that window.
 
 from . import trace
 from .reference import lru_lookup, lru_update, ngram_lookup
+from .round import emit_and_fold, lookup_context, verify_window
 
 
 GATE_INIT, GATE_OPEN = 1000, 400  # the acceptance estimate, in thousandths of a token
@@ -93,34 +94,10 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     logits, win = p.logits(), p.window()
     drafts = win[1:]
 
-    # Verify: n accepted drafts, vt = the committed tokens (accepted drafts, then the target's).
-    if temperature <= 0:
-        n, vt, cnt = p.verify_greedy(drafts, logits.argmax())
-    else:
-        x = logits if temperature == 1.0 else logits / float(temperature)
-        if top_p < 1.0:
-            x = x.top_p(top_p)
-        rule = verify or (lambda prog, d, probs, s: prog.verify_sample(d, probs, seed=s))
-        n, vt, cnt = rule(p, drafts, x.softmax(), seed)
-
-    # Output: cut after the first EOS and at max_tokens in total.
-    out_len = p.history().size() - base
-    room = p.maximum(max_tokens - out_len, 0)
-    j = p.arange("W")
-    hit = j < 0  # all false, [W]
-    for e in eos_ids:
-        hit = hit | (vt == int(e))
-    hit = hit & (j < cnt)
-    any_eos = hit.any()
-    emit = p.minimum(p.where(any_eos, hit.cast("i64").argmax() + 1, cnt), room)
-    p.put("out", vt, emit)
-    # t0 plus the accepted drafts, fewer when the output was cut (the rows before the last emitted token).
-    fold = p.minimum(n + 1, p.maximum(emit, 1))
-    p.fold(fold)
-    p.stop_if(any_eos | (out_len + emit >= max_tokens))
+    n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, verify)
+    out_len, emit, fold = emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, base)
 
     t0 = p.dyn_slice(vt, n, 1, size=1)  # the target's token: next round's t0
-    state = None
     if K == 0:
         p.set("window", t0)
     else:
@@ -135,14 +112,12 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
 def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
     """Next drafts: prompt lookup over the last Lw history tokens + t0 + this round's tokens,
     else the LRU table; and the table update with the leaders leaving the lookup window."""
-    hist = p.history()
-    N = hist.size()
-    hl = p.minimum(N, Lw)
-    ctx = p.pack(p.dyn_slice(hist, N - hl, hl, size=Lw), hl, p.concat(win[:1], vt), cnt + 1, size=Lw + K + 2)
-    ctx_len = hl + cnt + 1
+    ctx, ctx_len = lookup_context(p, win, vt, cnt, Lw, K)
     cand, cand_n = p.ngram_lookup(ctx, K, ngram_min, ngram_max, length=ctx_len)
     if not use_lru:
         return cand, cand_n
+    hist = p.history()
+    N = hist.size()
     p.channel("lru_table", "i64", S * (g + K))
     p.channel("lru_stamps", "i64", S)
     table, stamps = p.read("lru_table"), p.read("lru_stamps")

@@ -14,6 +14,7 @@ continues by prompt lookup over the history, the committed tokens and the forced
 
 from . import trace
 from .reference import ngram_lookup
+from .round import emit_and_fold, lookup_context, verify_window
 
 MASKED = -1e30  # a forbidden token's logit: exp() of it, at any temperature, is 0
 MATCHER = "grammar"
@@ -50,29 +51,8 @@ def constrained_program(*, prompt, draft_len_max=8, ngram_min=2, ngram_max=3, eo
     drafts = win[1:]
     masked = p.where(p.grammar_mask(win, g), logits, p.const(MASKED))
 
-    if temperature <= 0:
-        n, vt, cnt = p.verify_greedy(drafts, masked.argmax())
-    else:
-        x = masked if temperature == 1.0 else masked / float(temperature)
-        if top_p < 1.0:
-            x = x.top_p(top_p)
-        n, vt, cnt = p.verify_sample(drafts, x.softmax(), seed=seed)
-
-    # Output: cut after the first EOS and at max_tokens in total (as cacheback).
-    out_len = p.history().size() - base
-    room = p.maximum(max_tokens - out_len, 0)
-    j = p.arange("W")
-    hit = j < 0
-    for e in eos_ids:
-        hit = hit | (vt == int(e))
-    hit = hit & (j < cnt)
-    any_eos = hit.any()
-    emit = p.minimum(p.where(any_eos, hit.cast("i64").argmax() + 1, cnt), room)
-    p.put("out", vt, emit)
-    fold = p.minimum(n + 1, p.maximum(emit, 1))
-    p.fold(fold)
-    done = any_eos | (out_len + emit >= max_tokens)
-    p.stop_if(done)
+    n, vt, cnt = verify_window(p, drafts, masked, temperature, top_p, seed)
+    out_len, emit, _ = emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, base)
 
     # The matcher takes what was emitted; it answers with the tokens the grammar forces next.
     f, nf = p.grammar_commit(vt, emit, g, k=K)
@@ -82,11 +62,7 @@ def constrained_program(*, prompt, draft_len_max=8, ngram_min=2, ngram_max=3, eo
         return p.to_json(), _channels(prompt, K, max_tokens, forced, ngram_min, ngram_max, Lw)
 
     # Drafts: the forced tokens, then prompt lookup continuing after them.
-    hist = p.history()
-    N = hist.size()
-    hl = p.minimum(N, Lw)
-    ctx = p.pack(p.dyn_slice(hist, N - hl, hl, size=Lw), hl, p.concat(win[:1], vt), cnt + 1, size=Lw + K + 2)
-    ctx_len = hl + cnt + 1
+    ctx, ctx_len = lookup_context(p, win, vt, cnt, Lw, K)
     ctx = p.pack(ctx, ctx_len, f, nf, size=Lw + 2 * K + 2)
     cand, cand_n = p.ngram_lookup(ctx, K, ngram_min, ngram_max, length=ctx_len + nf)
     nxt = p.pack(f, nf, cand, cand_n, size=K)

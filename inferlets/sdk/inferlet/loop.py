@@ -1,0 +1,28 @@
+"""Running a traced speculative program (cacheback, constrained) as one device loop."""
+
+from .api import Channel, ForwardPass, StateGeometry, emit_channel
+
+
+def run_window_loop(model, ws, program, specs, draft_len, max_tokens, seed, bind=None):
+    """Create the program's channels from its specs ({name, capacity, init}; i32: the cells use -1
+    as "none"), have the host stream "out", register the program, let bind(epilogue) bind what
+    else it uses, and loop a pass whose window is channel "window" (readout on every row, the fold
+    from the program) until the program stops. The guest only waits: no call per round. Then the
+    epilogue and the channels are released."""
+    chans = {}
+    for spec in specs:
+        ch = Channel("i32", spec["capacity"])
+        if spec["init"]:
+            ch.put(spec["init"])
+        chans[spec["name"]] = ch
+    emit_channel(chans["out"])  # the host streams what the loop commits
+    ep = model.register_epilogue(program, chans)
+    if bind is not None:
+        bind(ep)
+    ForwardPass(ws, chans["window"], geometry=StateGeometry(draft_len + 1, fold="epilogue"),
+                readout=list(range(draft_len + 1)), epilogue=ep, seed=seed).run_loop(max_tokens)
+    while chans["out"].take():  # the host emits; this only waits for the loop ([] once it has ended)
+        pass
+    ep.release()
+    for ch in chans.values():
+        ch.release()
