@@ -5,7 +5,8 @@
 
 Contenders, on the same model, dtype and prompts (dev prompts in the chat template):
 HF generate greedy, HF generate(prompt_lookup_num_tokens=10), and the inferlets
-text-completion, cacheback-speculative-decoding and the example guest-side drafter,
+text-completion, cacheback-speculative-decoding, the example guest-side drafter, and, for a
+model with an MTP head attached, mtp-speculative-decoding and the hybrid (cacheback --drafter),
 each greedy through WebAssembly. Writes JSON, a markdown table and one PNG chart per
 figure to results/, and prints the table. All contenders' tokens are checked equal.
 With --repeats N every contender runs each prompt N times, interleaved (all contenders once,
@@ -29,11 +30,16 @@ from host import store
 
 from .common import RESULTS, chat_ids, geomean, load_hf, load_prompts, machine, on_compute, table, write
 
+# contender -> (inferlet, its extra arguments); DRAFTER stands for the model's first attached drafter
+DRAFTER = "{drafter}"
 INFERLETS = {
-    "text-completion": [],
-    "cacheback-speculative-decoding": [],
-    "ngram-drafter": [],  # the "write your own drafter" example: guest-side drafting, one guest call per round
+    "text-completion": ("text-completion", []),
+    "cacheback-speculative-decoding": ("cacheback-speculative-decoding", []),
+    "ngram-drafter": ("ngram-drafter", []),  # the "write your own drafter" example: one guest call per round
+    "mtp-speculative-decoding": ("mtp-speculative-decoding", []),
+    "hybrid": ("cacheback-speculative-decoding", ["--drafter", DRAFTER]),  # prompt lookup, else the MTP head
 }
+NEEDS_DRAFTER = ("mtp-speculative-decoding", "hybrid")
 
 
 def hf_run(model, tokenizer, ids: list[int], n: int, **kw) -> tuple[list[int], float]:
@@ -49,7 +55,7 @@ def _hf_run(model, tokenizer, ids, n, **kw):
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def run_once(rt, wasm, names, hf, tok, ids, prompt, n, reverse=False) -> dict:
+def run_once(rt, wasm, names, hf, tok, ids, prompt, n, reverse=False, drafter=None) -> dict:
     """Every contender once on one prompt: {contender: stats, with its token ids}.
 
     reverse runs them in the opposite order: a run's speed depends on what ran just before it
@@ -65,14 +71,16 @@ def run_once(rt, wasm, names, hf, tok, ids, prompt, n, reverse=False) -> dict:
             if c == "hf-greedy":
                 out[c]["accepted_per_pass"] = 1.0
             continue
-        res = rt.run(wasm[c], ["--prompt", prompt, "--chat", "--max-tokens", str(n)], name=c)
+        inferlet, extra = INFERLETS[c][0], [drafter if a == DRAFTER else a for a in INFERLETS[c][1]]
+        res = rt.run(wasm[c], ["--prompt", prompt, "--chat", "--max-tokens", str(n), *extra], name=inferlet)
         if not res.ok:
             raise SystemExit(f"{c} failed on prompt {prompt[:40]!r}: {res.error}")
         s = res.stats
         out[c] = {"tokens": len(res.token_ids), "wall_s": s["wall_s"], "tps": len(res.token_ids) / s["wall_s"],
                   "accepted_per_pass": s["mean_accepted_per_pass"], "passes": s["passes"],
                   "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"],
-                  "guest_calls": s["guest_calls"], "token_ids": res.token_ids}
+                  "guest_calls": s["guest_calls"], "acceptance_by_position": s["acceptance_by_position"],
+                  "token_ids": res.token_ids}
     return out
 
 
@@ -108,20 +116,30 @@ def main(argv=None) -> dict:
         rows = [r for r in rows if seen.setdefault(r["category"], 0) < args.per_category
                 and not seen.update({r["category"]: seen[r["category"]] + 1})]
     names = [n for n in args.inferlets.split(",") if n]
-    wasm = {n: resolve_inferlet(n) for n in names}
+    unknown = [n for n in names if n not in INFERLETS]
+    if unknown:
+        raise SystemExit(f"unknown contender {unknown[0]!r}; choose from {', '.join(INFERLETS)}")
+    drafter = engine.info.drafters[0] if engine.info.drafters else None
+    if drafter is None and any(n in NEEDS_DRAFTER for n in names):
+        print(f"model {engine.info.name} has no drafter attached: skipping {', '.join(NEEDS_DRAFTER)} "
+              f"(attach one with `pie model import {engine.info.name} --drafter NAME`)")
+        names = [n for n in names if n not in NEEDS_DRAFTER]
+    wasm = {n: resolve_inferlet(INFERLETS[n][0]) for n in names}
     n = args.new_tokens
     contenders = ["hf-greedy", "hf-prompt-lookup", *names]
     per_prompt = []
     with Runtime(engine) as rt:
         for name in names:  # warm-up: compile/cache each component, touch the model
-            rt.run(wasm[name], ["--prompt", "Hello", "--chat", "--max-tokens", "4"], name=name)
+            extra = [drafter if a == DRAFTER else a for a in INFERLETS[name][1]]
+            rt.run(wasm[name], ["--prompt", "Hello", "--chat", "--max-tokens", "4", *extra], name=INFERLETS[name][0])
         hf_run(hf, tok, chat_ids(tok, "Hello"), 4)
         for i, r in enumerate(rows):
             ids = chat_ids(tok, r["prompt"])
             rec = {"id": r["id"], "category": r["category"], "prompt_tokens": len(ids)}
             spent, rep = dict.fromkeys(contenders, 0.0), 0
             while rep < max(args.repeats, 1) or (min(spent.values()) < args.min_time and rep < args.max_repeats):
-                for c, got in run_once(rt, wasm, names, hf, tok, ids, r["prompt"], n, reverse=rep % 2 == 1).items():
+                for c, got in run_once(rt, wasm, names, hf, tok, ids, r["prompt"], n, reverse=rep % 2 == 1,
+                                       drafter=drafter).items():
                     spent[c] += got["wall_s"]
                     if c not in rec or got["wall_s"] < rec[c]["wall_s"]:
                         rec[c] = got
@@ -146,18 +164,29 @@ def main(argv=None) -> dict:
                 "speedup_geomean": geomean([r[c]["tps"] / r["hf-greedy"]["tps"] for r in rs]),
                 "accepted_per_pass": statistics.mean(r[c].get("accepted_per_pass", float("nan")) for r in rs),
             }
+        if "text-completion" in names and c in names:
+            entry["over_text_completion_geomean"] = geomean([r[c]["tps"] / r["text-completion"]["tps"] for r in per_prompt])
+            for cat in cats:
+                rs = [r for r in per_prompt if r["category"] == cat]
+                entry["by_category"][cat]["over_text_completion_geomean"] = geomean(
+                    [r[c]["tps"] / r["text-completion"]["tps"] for r in rs])
+        if c in names:  # acceptance by draft position: mean over the prompts that drafted that far
+            pos = [r[c]["acceptance_by_position"] for r in per_prompt]
+            entry["acceptance_by_position"] = [statistics.mean(a[i] for a in pos if len(a) > i)
+                                               for i in range(max(map(len, pos), default=0))]
         summary[c] = entry
     same = {c: all(r[c].get("same", True) for r in per_prompt) for c in contenders}
     if "cacheback-speculative-decoding" in names and "text-completion" in names:
         worst = min(r["cacheback-speculative-decoding"]["tps"] / r["text-completion"]["tps"] for r in per_prompt)
         summary["cacheback_vs_text_completion_min"] = worst
-    result = {"benchmark": "spec", "model": engine.info.name, "dtype": engine.info.dtype, "device": engine.info.device,
+    result = {"benchmark": "spec", "model": engine.info.name, "drafter": drafter, "dtype": engine.info.dtype, "device": engine.info.device,
               "new_tokens": n, "repeats": max(args.repeats, 1), "min_time_s": args.min_time,
               "max_repeats": args.max_repeats, "prompts": [r["id"] for r in per_prompt], "machine": machine(),
               "identical_to_hf_greedy": same, "summary": summary, "per_prompt": per_prompt}
 
     headers = ["category"] + [f"{c} tok/s" for c in contenders] + [f"{c} speedup" for c in contenders[1:]] \
-        + [f"{c} acc/pass" for c in names]
+        + [f"{c} acc/pass" for c in names] \
+        + ([f"{c} / text-completion" for c in names if c != "text-completion"] if "text-completion" in names else [])
     trows = []
     for cat in cats + ["ALL"]:
         row = [cat]
@@ -168,6 +197,11 @@ def main(argv=None) -> dict:
         for c in names:
             row.append(statistics.mean(r[c]["accepted_per_pass"] for r in per_prompt) if cat == "ALL"
                        else summary[c]["by_category"][cat]["accepted_per_pass"])
+        if "text-completion" in names:
+            for c in names:
+                if c != "text-completion":
+                    row.append(summary[c]["over_text_completion_geomean"] if cat == "ALL"
+                               else summary[c]["by_category"][cat]["over_text_completion_geomean"])
         trows.append(row)
     md = (f"Speculative decoding, {engine.info.name} {engine.info.dtype} on {engine.info.device}; "
           f"{len(per_prompt)} dev prompts {result['prompts']}; chat template; {n} new tokens; greedy; "
@@ -178,6 +212,11 @@ def main(argv=None) -> dict:
           f"committed tokens per target pass. Identical tokens to HF greedy: {same}\n\n" + table(headers, trows))
     if "cacheback_vs_text_completion_min" in summary:
         md += f"\n\ncacheback / text-completion, worst prompt: {summary['cacheback_vs_text_completion_min']:.2f}x"
+    pos = {c: summary[c]["acceptance_by_position"] for c in names if summary[c].get("acceptance_by_position")}
+    if pos:
+        md += f"\n\nAcceptance by draft position (mean over prompts; drafter {drafter}):\n\n" + table(
+            ["contender"] + [f"pos {i + 1}" for i in range(max(map(len, pos.values())))],
+            [[c] + a for c, a in pos.items()])
     path = write("spec", result, md)
     chart(per_prompt, contenders, names, cats)
     print(md)
@@ -196,6 +235,10 @@ def chart(per_prompt, contenders, names, cats) -> None:
         "speedup": (contenders[1:], lambda r, c: r[c]["tps"] / r["hf-greedy"]["tps"], "speedup over HF greedy (geomean)", geomean),
         "accepted-per-pass": (names, lambda r, c: r[c]["accepted_per_pass"], "tokens committed per target pass (mean)", statistics.mean),
     }
+    if "text-completion" in names:
+        figures["over-text-completion"] = ([c for c in names if c != "text-completion"],
+                                           lambda r, c: r[c]["tps"] / r["text-completion"]["tps"],
+                                           "speedup over text-completion (geomean)", geomean)
     for fname, (cs, get, label, agg) in figures.items():
         fig, ax = plt.subplots(figsize=(10, 4.5))
         width = 0.8 / max(len(cs), 1)

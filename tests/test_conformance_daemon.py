@@ -26,7 +26,7 @@ def served(tmp_path_factory):
     from host.runtime import Runtime
 
     m = suite_model("tiny")
-    engine = Engine(m.model, m.tokenizer, name=m.name, kv_pages=m.kv_pages, page_size=m.page_size)
+    engine = Engine(m.model, m.tokenizer, name=m.name, kv_pages=m.kv_pages, page_size=m.page_size, heads=m.heads)
     with Runtime(engine, cache_dir=TEST_CACHE) as rt:
         # four slots: a case runs up to four instances at once (instances/batched-greedy)
         s = Served(rt, build_inferlet("text-completion"), max_instances=4, max_queue=0, api_keys=[KEY],

@@ -11,6 +11,7 @@ import test_epilogue_grammar  # noqa: F401  (their @covers marks count)
 import test_epilogue_lru  # noqa: F401
 import test_epilogue_ops  # noqa: F401
 import test_epilogue_sampling  # noqa: F401
+import test_mtp_program  # noqa: F401
 from host.epilogue.ir import Op, Value
 from host.epilogue.kernels import Ctx
 from host.epilogue.ops import FAMILIES, OPS

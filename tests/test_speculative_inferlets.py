@@ -1,5 +1,6 @@
-"""Speculative inferlets through Wasm on the default model: cacheback (device loop) and the
-guest-side ngram-drafter give plain decoding's tokens; seeded sampling repeats; the host's
+"""Speculative inferlets through Wasm on the default model: cacheback (device loop), the guest-side
+ngram-drafter, mtp-speculative-decoding (the model's attached MTP head, set up by `make model`) and
+the hybrid (cacheback --drafter) give plain decoding's tokens; seeded sampling repeats; the host's
 stats add up; the device loop needs a fixed handful of guest calls, not some per token."""
 
 from __future__ import annotations
@@ -34,16 +35,32 @@ def ngram_drafter_wasm():
 
 
 @pytest.fixture(scope="module")
-def greedy_runs(runtime, text_completion_wasm, cacheback_wasm, ngram_drafter_wasm):
+def mtp_wasm():
+    return build_inferlet("mtp-speculative-decoding")
+
+
+@pytest.fixture(scope="module")
+def drafter(runtime):
+    """The default model's attached MTP head (`make model` attaches the shipped one)."""
+    names = runtime.engine.info.drafters
+    assert names, "the default model has no drafter: run `make model` (pie model import smollm2-135m --drafter ...)"
+    return names[0]
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(runtime, text_completion_wasm, cacheback_wasm, ngram_drafter_wasm, mtp_wasm, drafter):
     """{name: [result per prompt]}: every dev prompt through text-completion (the reference: it
-    equals HF greedy, see test_text_completion) and cacheback; the first few through ngram-drafter.
-    Concurrent waves, so the engine batches them."""
+    equals HF greedy, see test_text_completion), cacheback, mtp and the hybrid; the first few through
+    ngram-drafter. Concurrent waves, so the engine batches them."""
     prompts = [p["prompt"] for p in dev_prompts()]
-    wasm = {"text-completion": text_completion_wasm, "cacheback": cacheback_wasm, "ngram-drafter": ngram_drafter_wasm}
+    wasm = {"text-completion": text_completion_wasm, "cacheback": cacheback_wasm, "ngram-drafter": ngram_drafter_wasm,
+            "mtp": mtp_wasm, "hybrid": cacheback_wasm}
+    extra = {"hybrid": ("--drafter", drafter)}
     runs = {name: [] for name in wasm}
     for start in range(0, len(prompts), WAVE):
         wave = prompts[start:start + WAVE]
-        handles = {name: [runtime.start(wasm[name], _args(p)) for p in wave] for name in ("text-completion", "cacheback")}
+        handles = {name: [runtime.start(wasm[name], _args(p, N, *extra.get(name, ()))) for p in wave]
+                   for name in ("text-completion", "cacheback", "mtp", "hybrid")}
         handles["ngram-drafter"] = [runtime.start(wasm["ngram-drafter"], _args(p))
                                     for p in wave[:max(0, DRAFTER_PROMPTS - start)]]
         for name, hs in handles.items():
@@ -72,6 +89,19 @@ def test_cacheback_greedy_equals_plain_decoding_on_every_dev_prompt(greedy_runs)
     assert sum(r.stats["passes"] for r in got) < sum(r.stats["passes"] for r in refs)
 
 
+@pytest.mark.parametrize("name", ["mtp", "hybrid"])
+def test_mtp_and_hybrid_greedy_equal_plain_decoding_on_every_dev_prompt(greedy_runs, name):
+    refs, got = greedy_runs["text-completion"], greedy_runs[name]
+    assert len(got) == len(dev_prompts())
+    for i, (r, ref) in enumerate(zip(got, refs)):
+        assert ref.ok and r.ok, (ref.error, r.error)
+        assert r.token_ids == ref.token_ids, f"dev prompt {i}"
+        _check_stats(r)
+    # the head's drafts are accepted: fewer passes than plain decoding over the dev set
+    assert sum(r.stats["accepted_tokens"] for r in got) > 0
+    assert sum(r.stats["passes"] for r in got) < sum(r.stats["passes"] for r in refs)
+
+
 def test_ngram_drafter_greedy_equals_plain_decoding(greedy_runs):
     refs, got = greedy_runs["text-completion"], greedy_runs["ngram-drafter"]
     assert len(got) == DRAFTER_PROMPTS
@@ -94,14 +124,16 @@ def test_draft_len_zero_is_plain_decoding(runtime, text_completion_wasm, cacheba
         assert r.stats["drafted_tokens"] == 0 and r.stats["passes"] == len(want) + 1  # prefill + one per token
 
 
-def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_drafter_wasm):
+def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_drafter_wasm, mtp_wasm, drafter):
     prompt = dev_prompts()[0]["prompt"]
     other = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "99")
-    jobs = [(w, a) for w in (cacheback_wasm, ngram_drafter_wasm) for a in (SAMPLED, SAMPLED, other)]
+    hybrid = ("--drafter", drafter)
+    jobs = [(w, h + a) for w, h in ((cacheback_wasm, ()), (ngram_drafter_wasm, ()), (mtp_wasm, ()), (cacheback_wasm, hybrid))
+            for a in (SAMPLED, SAMPLED, other)]
     hs = [runtime.start(w, _args(prompt, 24, *a)) for w, a in jobs]
     res = [h.result(timeout=600) for h in hs]
     assert all(r.ok for r in res), [r.error for r in res]
-    for a, b, c in (res[0:3], res[3:6]):
+    for a, b, c in (res[0:3], res[3:6], res[6:9], res[9:12]):
         assert a.token_ids == b.token_ids and len(a.token_ids) > 0
         assert c.token_ids != a.token_ids  # another seed draws differently
         _check_stats(a)
@@ -115,3 +147,11 @@ def test_cacheback_guest_calls_do_not_grow_with_tokens(runtime, cacheback_wasm):
     assert len(r.token_ids) >= 300  # long enough for the fixed set-up calls to be amortized
     assert r.stats["guest_calls"] / r.stats["generated_tokens"] < 0.1
     _check_stats(r)
+
+
+def test_mtp_bad_arguments_are_usage_errors(runtime, mtp_wasm, cacheback_wasm):
+    for w, extra, says in ((mtp_wasm, ("--drafter", "nope"), "no drafter 'nope'"),
+                           (mtp_wasm, ("--draft-len", "0"), "--draft-len >= 1"),
+                           (cacheback_wasm, ("--drafter", "nope"), "no drafter 'nope'")):
+        r = runtime.run(w, _args("Hi", 4, *extra))
+        assert not r.ok and says in r.error

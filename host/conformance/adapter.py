@@ -69,7 +69,7 @@ class InProcessAdapter(HostAdapter):
 
         model = suite_model.model.to(device)
         self.engine = Engine(model, suite_model.tokenizer, name=suite_model.name, kv_pages=suite_model.kv_pages,
-                             page_size=suite_model.page_size)
+                             page_size=suite_model.page_size, heads=suite_model.heads)
         self.runtime = Runtime(self.engine, cache_dir=cache_dir)
         self.wasm: Path | None = None
         self._grammar: bool | None = None

@@ -4,13 +4,16 @@ transformers (eager attention, the whole sequence each time), independent of any
 `tiny` is a 2-layer random Llama (vocabulary 97, context 128) built here, so the suite needs
 no download and every case is fast; its tokenizer maps a character to its code mod 97 and
 has no chat template; the grammar engine reads it through `grammar_tokens`. Its host-side pool
-is small on purpose (out-of-pages is cheap to reach).
+is small on purpose (out-of-pages is cheap to reach). It carries one MTP draft head, "mtp" (the
+cases under drafter/ need it): built, not trained, so that it drafts each token's most frequent
+successor in the model's own greedy text after HEAD_PROMPT; its drafts are then often accepted
+there (and rejected elsewhere). The head changes nothing the target computes.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +21,8 @@ import torch
 from ..errors import InvalidArgument
 
 TINY_PAGES, TINY_PAGE_SIZE = 32, 4  # 128 rows; an instance's default share (0.5) is 64
+HEAD_NAME = "mtp"
+HEAD_PROMPT, HEAD_TEXT_LEN = [7, 19, 23, 42, 5], 32  # the text the head learns its successors from
 
 
 class TinyTokenizer:
@@ -100,6 +105,7 @@ class SuiteModel:
     reference: Reference
     kv_pages: int
     page_size: int
+    heads: dict = field(default_factory=dict)  # draft heads by name (a host attaches them: Engine heads=)
 
 
 def tiny_config():
@@ -120,7 +126,38 @@ def _tiny() -> SuiteModel:
     ref = copy.deepcopy(model)
     ref.config._attn_implementation = "eager"
     tok = TinyTokenizer()
-    return SuiteModel("tiny", model, tok, Reference(ref, tok), TINY_PAGES, TINY_PAGE_SIZE)
+    reference = Reference(ref, tok)
+    head = successor_head(model, HEAD_PROMPT + reference.greedy(HEAD_PROMPT, HEAD_TEXT_LEN))
+    return SuiteModel("tiny", model, tok, reference, TINY_PAGES, TINY_PAGE_SIZE, heads={HEAD_NAME: head})
+
+
+@torch.no_grad()
+def successor_head(model, text: list[int]):
+    """An MTP head (host/drafter/mtp.py) over `model` whose drafts are restricted to the tokens of
+    `text` and which drafts, after token t, t's most frequent successor in `text` (the first seen on
+    ties), whatever the hidden state: its block is the identity (zero output projections), the hidden
+    state's half of eh_proj and hnorm are zero, and eh_proj sends t's normalised embedding to the
+    output row of its successor. Its other weights are seeded random (the caller's RNG untouched)."""
+    from collections import Counter
+
+    from ..drafter.mtp import MtpHead
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        head = MtpHead(model, draft_vocab=torch.tensor(sorted(set(text))))
+    H = model.config.hidden_size
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        head.block.get_submodule(name).weight.zero_()
+    head.hnorm.weight.zero_()
+    W, E = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    M = torch.zeros(H, H)
+    for t in sorted(set(text)):
+        nxt = Counter(b for a, b in zip(text, text[1:]) if a == t).most_common(1)
+        if nxt:
+            e = head.enorm(E[t])
+            M += torch.outer(W[nxt[0][0]], e) / e.dot(e)
+    head.eh_proj.weight.copy_(torch.cat([M, torch.zeros(H, H)], dim=1))
+    return head.eval()
 
 
 MODELS = {"tiny": _tiny}

@@ -65,6 +65,8 @@ class Pass:
     readout: list[int]
     fold: int | Fold = Fold.ALL
     hidden: bool = False
+    logits: bool = True  # False: the readout rows' hidden states only (no lm_head: a head's prompt pass)
+    spare: int = 0  # rows past the window whose pages are prepared too (a draft head's chain)
     choose: Callable[[torch.Tensor, int], list[int]] | None = None
     window: int = field(init=False)  # len(tokens), read many times a step (a tensor's len is slow)
 
@@ -74,8 +76,8 @@ class Pass:
 
 @dataclass
 class PassOutput:
-    logits: torch.Tensor  # [len(readout), vocab] float32
-    hidden: torch.Tensor | None = None  # [len(readout), hidden_size]
+    logits: torch.Tensor | None  # [len(readout), vocab] float32; None for a pass with logits=False
+    hidden: torch.Tensor | None = None  # [len(readout), hidden_size] f32, before the final norm
     tokens: list[int] | None = None  # the pass's `choose` applied to the logits
 
 
@@ -125,7 +127,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 class Engine:
     def __init__(self, model, tokenizer, *, name: str = "model", kv_pages: int = 2048, page_size: int = 16,
-                 context_len: int | None = None, drafters: list[str] | None = None):
+                 context_len: int | None = None, heads: dict | None = None):
+        """heads: draft heads by name (host/drafter MtpHead), each given one more KV layer."""
         attention.register()
         self.model = model.eval()
         self.model.config._attn_implementation = attention.NAME
@@ -136,7 +139,8 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.pool = PagePool(kv_pages, page_size)
-        self.kv = torch.zeros(cfg.num_hidden_layers, 2, kv_pages * page_size, cfg.num_key_value_heads, head_dim,
+        heads = dict(heads or {})
+        self.kv = torch.zeros(cfg.num_hidden_layers + len(heads), 2, kv_pages * page_size, cfg.num_key_value_heads, head_dim,
                               dtype=self.dtype, device=self.device)
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -145,17 +149,37 @@ class Engine:
             name=name, architecture=type(model).__name__, vocab_size=model.get_output_embeddings().weight.shape[0],
             eos_ids=eos_ids, context_len=context_len or getattr(cfg, "max_position_embeddings", 2048),
             hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device), drafters=list(drafters or []),
+            device=str(self.device), drafters=list(heads),
         )
         self._decoder = model.get_decoder()
         self._lm_head = Readout(model.get_output_embeddings())
         self.linears = PackedLinears(self._decoder)
+        # the readout's hidden state is the last layer's output before the final norm (what MTP
+        # heads take): kept from the norm's input, which the decoder computes anyway
+        self._prenorm: torch.Tensor | None = None
+        self._decoder.norm.register_forward_pre_hook(self._keep_prenorm)
+        from .drafting import HeadRunner  # here: a model without heads never loads it
+
+        self.heads = {n: HeadRunner(self, n, h.to(self.device, self.dtype), cfg.num_hidden_layers + i)
+                      for i, (n, h) in enumerate(heads.items())}
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self._ids = itertools.count(1)
         self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
         self.model_time_s = 0.0
         # host ids of a CPU batch go through one reused buffer (see _Staging)
         self._staging = _Staging() if self.device_type == "cpu" else None
+
+    def _keep_prenorm(self, module, args) -> None:
+        self._prenorm = args[0]
+
+    def bind_drafters(self, names, ws: WorkingSet) -> dict:
+        """Env.drafters for a working set's passes: each named head bound to it."""
+        missing = [n for n in names if n not in self.heads]
+        if missing:
+            have = ", ".join(self.heads) or "none are attached"
+            raise InvalidArgument(f"the program uses drafter {missing[0]!r}, which model {self.info.name!r} does "
+                                  f"not have ({have}; attach one with `pie model import ... --drafter`)")
+        return {n: self.heads[n].bind(ws) for n in names}
 
     # ---- working sets -------------------------------------------------------------
     def new_working_set(self, quota: Quota | None = None) -> WorkingSet:
@@ -256,7 +280,8 @@ class Engine:
                 self.check_pass(ps)
                 if ps.ws.id in seen:
                     raise InvalidArgument(f"working set {ps.ws.id} has two passes in one batch")
-                copies += ps.ws.prepare_write(ps.window)
+                spare = min(ps.spare, self.info.context_len - ps.ws.frozen - ps.window)
+                copies += ps.ws.prepare_write(ps.window + max(spare, 0))
                 seen.add(ps.ws.id)
                 ok.append(i)
             except PieError as e:
@@ -328,18 +353,37 @@ class Engine:
         with self.linears.active():
             out = self._decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                 use_cache=False, pie_batch=batch.meta)
-        hidden = out.last_hidden_state[0].index_select(0, batch.readout_index)
-        logits = self._lm_head(hidden).float()
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
+        want = [ps.logits for ps in batch.passes]
+        rows = batch.readout_index
+        if not all(want):  # the lm_head only over the rows of passes that read logits
+            keep = [r for ps, idx in zip(batch.passes, self._row_ranges(batch)) if ps.logits for r in idx]
+            rows = rows[torch.tensor(keep, dtype=torch.long, device=rows.device)] if keep else None
+        logits = None
+        if rows is not None:
+            logits = self._lm_head(out.last_hidden_state[0].index_select(0, rows)).float()
+            if self._softcap:
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+        hidden = None
+        if any(ps.hidden for ps in batch.passes):
+            hidden = self._prenorm[0].index_select(0, batch.readout_index).float()
+        self._prenorm = None
         self.model_time_s += time.perf_counter() - t0
         if len(batch.passes) == 1:  # nothing to split (each torch op costs ~10 us after a model call)
             return [PassOutput(logits, hidden if batch.passes[0].hidden else None)]
-        results = []
-        want_hidden = [ps.hidden for ps in batch.passes]
-        for lg, hd, wh in zip(logits.split(batch.readout_splits), hidden.split(batch.readout_splits), want_hidden):
-            results.append(PassOutput(lg, hd if wh else None))
-        return results
+        splits = batch.readout_splits
+        lgs = iter(logits.split([n for n, w in zip(splits, want) if w]) if logits is not None else ())
+        hiddens = hidden.split(splits) if hidden is not None else [None] * len(splits)
+        return [PassOutput(next(lgs) if ps.logits else None, hd if ps.hidden else None)
+                for ps, hd in zip(batch.passes, hiddens)]
+
+    @staticmethod
+    def _row_ranges(batch: Batch) -> list[range]:
+        """Each pass's positions in the batch's readout rows."""
+        out, at = [], 0
+        for n in batch.readout_splits:
+            out.append(range(at, at + n))
+            at += n
+        return out
 
     def commit(self, ps: Pass, first_position: int, fold: int, tokens: list[int]) -> None:
         ps.ws.commit(tokens, fold, first_position)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..epilogue import DeviceChannel, Env, GrammarMatcher, Program, Result, host_readable
+from ..epilogue import DeviceChannel, DraftBinding, Env, GrammarMatcher, Program, Result, host_readable
 from ..errors import InvalidArgument, detached, unexpected
 from .engine import Fold, Pass, PassOutput
 from .working_set import WorkingSet
@@ -88,6 +88,9 @@ class DeviceLoop:
     seed: int = 0
     hidden: bool = False
     matchers: dict[str, GrammarMatcher] = field(default_factory=dict)  # name in the program -> matcher
+    drafters: dict[str, DraftBinding] = field(default_factory=dict)  # name in the program -> head bound to ws
+    spare: int = 0  # rows past the window each pass prepares (Program.spare: a draft head's chain)
+    logits: bool = True  # False: the program reads no logits, and the pass computes none
     round: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
     done: Future = field(default_factory=Future)
@@ -119,7 +122,7 @@ class DeviceLoop:
         # torch op, and the commit needs it as one); on a device it stays there.
         host = self.embed.host
         tokens = self.embed.buf[:n].clone() if host is None else host[:n].tolist()
-        return Pass(self.ws, tokens, rows, fold=0, hidden=self.hidden)
+        return Pass(self.ws, tokens, rows, fold=0, hidden=self.hidden, logits=self.logits, spare=self.spare)
 
     def locks(self) -> list:
         if self._locks is None:  # the channels are fixed for the loop's life
@@ -142,7 +145,7 @@ class DeviceLoop:
 
 
 def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOutput], firsts: list[int],
-                  device, device_type: str) -> list:
+                  device, device_type: str, vocab: int | None = None) -> list:
     """Run each loop's epilogue on its pass's outputs; channels are written in place on the device.
     Returns per loop the epilogue's Result (fold, stop and channel lengths: host ints or device
     values), or the PieError that ends that loop alone."""
@@ -164,10 +167,10 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
                 window = torch.tensor(window, dtype=torch.int64, device=device)
             else:
                 window, window_len = None, ps.window
-        logits = out.logits.numpy() if host else out.logits
-        envs[i] = Env(logits=logits, window=window, history=hist, hidden=out.hidden, channels=loop.channels,
-                      matchers=loop.matchers, seed=loop.seed, round=loop.round, window_len=window_len, position=first)
-        key = (id(loop.program), out.logits.shape[0], ps.window, None if hist is None else hist.shape[0],
+        logits = out.logits.numpy() if host and out.logits is not None else out.logits
+        envs[i] = Env(logits=logits, vocab=vocab, window=window, history=hist, hidden=out.hidden, channels=loop.channels,
+                      matchers=loop.matchers, drafters=loop.drafters, seed=loop.seed, round=loop.round, window_len=window_len, position=first)
+        key = (id(loop.program), len(ps.readout), ps.window, None if hist is None else hist.shape[0],
                out.hidden is None)
         groups.setdefault(key, []).append(i)
     for idx in groups.values():

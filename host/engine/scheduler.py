@@ -162,7 +162,7 @@ class Scheduler:
             lk.acquire()
         try:
             results = run_epilogues(loops, [r[1] for r in ran], [r[3] for r in ran], [r[2] for r in ran],
-                                    self.engine.device, self.engine.device_type)
+                                    self.engine.device, self.engine.device_type, self.engine.info.vocab_size)
             alive = []
             for r, res in zip(ran, results):
                 if isinstance(res, PieError):

@@ -65,6 +65,9 @@ class Program:
         self.uses = {i.kind for i in checked.inputs}
         names = {o.name for o in checked.ops}
         self.has_fold = "fold" in names
+        # scratch rows past the window a pass of this program needs: a draft head's chain of k
+        # drafts writes k - 1 rows past the rows the round commits (ops/drafter.py)
+        self.spare = max((op.attrs["k"] - 1 for op in checked.ops if "drafter" in op.attrs and "k" in op.attrs), default=0)
         self.has_stop = "stop" in names
         self.writes = [o.attrs["channel"] for o in checked.ops if o.name in ("put", "set")]
         self.reads = sorted({i.channel for i in checked.inputs if i.channel})
@@ -81,6 +84,11 @@ class Program:
         b: dict[str, int] = {}
         if env.logits is not None:
             b["R"], b["V"] = env.logits.shape
+        else:
+            if env.hidden is not None:
+                b["R"] = env.hidden.shape[0]
+            if env.vocab is not None:
+                b["V"] = env.vocab
         if env.window is not None:
             b["W"] = env.window.shape[0]
         elif env.window_len is not None:
@@ -109,6 +117,9 @@ class Program:
         for name in self.checked.matchers:
             if name not in env.matchers:
                 raise ProgramError(f"epilogue uses matcher {name!r} but it is not bound")
+        for name in self.checked.drafters:
+            if name not in env.drafters:
+                raise ProgramError(f"epilogue uses drafter {name!r} but the pass has none of that name")
         for name in self._bound:
             ch = env.channels.get(name)
             if ch is None:

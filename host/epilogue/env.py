@@ -60,6 +60,35 @@ class GrammarMatcher(Protocol):
         """Up to `limit` tokens the grammar forces next."""
 
 
+class DraftRunner(Protocol):
+    """A draft head attached to the model, run by the host over its own KV rows (the engine's
+    HeadRunner); the executor never imports its model code. `state` objects are its per-working-set
+    bindings (DraftBinding.state)."""
+
+    vocab_size: int  # the target's vocabulary: drafts and probabilities index it
+    draft_vocab_size: int  # the ids the head drafts from (its uniforms per draft)
+
+    def propose(self, states: list, hidden: torch.Tensor, tokens: torch.Tensor, counts: list[int], k: int,
+                temperature: float, uniforms: torch.Tensor | None,
+                limits: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """For each pass b: run the head over its window rows [0, counts[b]) (hidden[b, r] paired
+        with tokens[b, r], the token that follows row r), writing the head's KV rows there, then chain
+        it to k drafts: argmax (temperature <= 0) or drawn from the tempered head distribution with
+        uniforms[b, j]; pass b's chain stops at limits[b] drafts (0: the head's rows only).
+        Returns drafts [B, k] (padded with -1) and their numbers; keeps each pass's
+        draft distributions for `probs`. Running the same pass again gives the same result."""
+
+    def probs(self, state, drafts: list[int]) -> torch.Tensor:
+        """f32 [k, V]: the distributions the head drew `drafts` (its last proposal) from."""
+
+
+class DraftBinding(Protocol):
+    """A draft head bound to one pass's working set (Env.drafters, by the head's name)."""
+
+    runner: DraftRunner
+    state: object
+
+
 @dataclass
 class SimpleChannel:
     """The minimal DeviceChannel: a buffer and a length (stand-alone executor use, tests)."""
@@ -109,9 +138,11 @@ class Env:
     draft_logits: torch.Tensor | np.ndarray | None = None
     channels: Mapping[str, DeviceChannel] = field(default_factory=dict)
     matchers: Mapping[str, GrammarMatcher] = field(default_factory=dict)
+    drafters: Mapping[str, DraftBinding] = field(default_factory=dict)
     seed: int = 0
     round: int = 0
     window_len: int | None = None
+    vocab: int | None = None  # the model's vocabulary: binds V for a program that reads no logits
     position: int = 0  # the absolute position of the window's first row: random draws are keyed by it
 
 

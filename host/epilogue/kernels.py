@@ -36,6 +36,7 @@ class Stream(enum.IntEnum):
     RAND = 2  # the `rand` op
     VERIFY_ACCEPT = 3  # verify_sample's accept tests
     VERIFY_RESIDUAL = 4  # verify_sample's draw from the residual (or bonus) distribution
+    DRAFT = 5  # a draft head's sampled drafts
 
 
 def draw_seed(seed: int, position: int, stream: Stream, salt: int) -> int:
@@ -66,6 +67,7 @@ class Ctx:
     positions: list[int]  # per pass: the absolute position of its window's first row
     values: list[Value]
     matchers: list = None  # per pass: name -> GrammarMatcher (env.py), for the grammar ops
+    drafters: list = None  # per pass: name -> DraftBinding (env.py), for the drafter ops
 
     def shape(self, v: Value) -> list[int]:
         return [d.resolve(self.bind) for d in v.shape]

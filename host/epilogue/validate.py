@@ -26,6 +26,7 @@ class Checked:
     alias: dict[str, str]  # symbols declared equal to another symbol (e.g. R == W); bound per pass
     channels: dict[str, Channel]
     matchers: tuple[str, ...]  # grammar matchers, bound by name per pass (Env.matchers)
+    drafters: tuple[str, ...]  # draft heads the ops name, bound per pass by the host (Env.drafters)
     inputs: list[Input]
     values: list[Value]
     ops: list[Op]
@@ -149,7 +150,7 @@ def check(obj: dict) -> Checked:
         outs = list(range(len(values), len(values) + spec.results))
         values.extend(res)
         ops.append(Op(i, name, list(args), attrs, outs))
-    checked = Checked(fixed, alias, channels, matchers, inputs, values, ops)
+    checked = Checked(fixed, alias, channels, matchers, tuple(sorted(typing.drafters)), inputs, values, ops)
     Budget(checked).check(None)
     return checked
 

@@ -479,9 +479,6 @@ class InstanceHost:
         kind = _case(_field(readout, "kind", "readout"), "readout kind", ("none", "argmax", "sample", "logits"))
         window = _u32(_field(geometry, "window", "geometry"), "geometry window")
         rows = list(_list(_field(readout, "rows", "readout"), "readout rows", _u32))
-        if len(rows) > self.limits.readout_rows:
-            raise BudgetExceeded(f"{len(rows)} readout rows in one pass, more than its limit of "
-                                 f"{self.limits.readout_rows} ({flag('readout_rows')})")
         if fold.tag == "constant":
             _u32(fold.payload, "fold constant")
         if kind.tag == "sample":
@@ -496,6 +493,7 @@ class InstanceHost:
                 raise InvalidArgument(f"geometry window {window} differs from the {len(embed)} embedded tokens")
             # the engine validates the ids (once) when it takes the pass
         if rounds is None and not from_channel and fold.tag != "from-channel" and call is None:
+            self._check_readout_rows(rows)
             return Pass(ws, embed, rows, fold=Fold.ALL if fold.tag == "all" else fold.payload), kind
         if kind.tag != "none":
             raise InvalidArgument("a pass that runs an epilogue or reads a channel takes readout kind `none`; "
@@ -516,6 +514,11 @@ class InstanceHost:
         if call is not None:
             program, channels, matchers = self._get(_field(call, "program", "epilogue call"), _Registered, "epilogue").bound()
             seed = _u64(_field(call, "seed", "epilogue call"), "seed")
+        # each readout row costs a logits row, unless the pass's epilogue reads no logits (a draft
+        # head's prompt pass reads hidden states only: a row of the hidden size)
+        reads_logits = program is None or "logits" in program.uses
+        if reads_logits:
+            self._check_readout_rows(rows)
         fold_channel = None
         if fold.tag == "from-channel":
             fold_channel = self._ch(fold.payload)
@@ -527,10 +530,17 @@ class InstanceHost:
             raise InvalidArgument("fold from-epilogue, but the epilogue has no fold effect")
         # the loop records its rounds straight into the inferlet's draft statistics
         rule = {"all": Fold.ALL, "from-channel": Fold.CHANNEL, "from-epilogue": Fold.EPILOGUE}.get(fold.tag, fold.payload)
-        loop = DeviceLoop(ws, program, channels, src, matchers=matchers, max_window=window, rounds=rounds or 1, readout=rows,
+        drafters = self.engine.bind_drafters(program.checked.drafters, ws) if program is not None else {}
+        loop = DeviceLoop(ws, program, channels, src, matchers=matchers, drafters=drafters,
+                          spare=program.spare if program is not None else 0, logits=reads_logits, max_window=window, rounds=rounds or 1, readout=rows,
                           fold=rule, fold_channel=fold_channel, seed=seed, stats=self.draft_stats,
                           on_round=self._count_round, hidden=program is not None and "hidden" in program.uses)
         return loop, kind
+
+    def _check_readout_rows(self, rows: list) -> None:
+        if len(rows) > self.limits.readout_rows:
+            raise BudgetExceeded(f"{len(rows)} readout rows in one pass, more than its limit of "
+                                 f"{self.limits.readout_rows} ({flag('readout_rows')})")
 
     def _count_round(self, loop: DeviceLoop, window: int, fold: int) -> None:
         """After each round, on the compute thread: the round's time is charged to the CPU-time
@@ -604,6 +614,11 @@ class InstanceHost:
         extra = set(chans) - set(prog.checked.channels)
         if extra:
             raise InvalidArgument(f"channel {sorted(extra)[0]!r} is bound but the epilogue does not declare it")
+        missing = [d for d in prog.checked.drafters if d not in self.engine.heads]
+        if missing:
+            have = ", ".join(self.engine.heads) or "none is attached"
+            raise InvalidArgument(f"the epilogue uses drafter {missing[0]!r}, which the model does not have ({have}; "
+                                  "attach one with `pie model import MODEL --drafter NAME`)")
         return self._new(lambda: _Registered(self, prog, chans))
 
     def release_epilogue(self, h: int) -> None:

@@ -28,7 +28,7 @@ class Limits:
                              "--kv-share", kind=float)
     channel_cells: int = _limit(1 << 21, "cells of all the instance's live channels together",
                                 "--channel-cells")
-    readout_rows: int = _limit(64, "readout rows of one pass (each costs a logits row on the device)",
+    readout_rows: int = _limit(64, "readout rows of one pass whose epilogue reads logits (each costs a logits row on the device)",
                                "--readout-rows")
     output_bytes: int = _limit(16 << 20, "the run's output: its text (UTF-8) and 4 bytes per token id",
                                "--output-mb", 1 << 20)

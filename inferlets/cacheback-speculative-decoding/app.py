@@ -1,5 +1,8 @@
 """cacheback-speculative-decoding: prompt-lookup speculative decoding entirely on the device.
 
+With --drafter NAME (an MTP head attached to the model), the hybrid: prompt lookup drafts where
+the context offers a match, the head drafts otherwise, in the same one device program.
+
 The guest prefills prompt[:-1], traces the Cacheback program (`inferlet.cacheback`:
 verify the window [t0, d1..dK] against the target, append the committed tokens to "out",
 fold 1 + accepted rows, draft the next window by prompt lookup / an LRU n-gram table, stop
@@ -10,15 +13,16 @@ guest calls for the whole run instead of two per token.
 
 import wit_world
 from componentize_py_types import Err
-from inferlet import ForwardPass, Model, PieError, UsageError, arguments, parse_generation_args
-from inferlet import cacheback
+from inferlet import ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, parse_generation_args
+from inferlet import cacheback, mtp
 from inferlet.loop import run_window_loop
 
 # ngram-min 2: single-token matches propose drafts nearly every round and are mostly wrong, and
 # verifying any draft costs a step (a 2-row pass ~1.2x a 1-row pass on a CPU, 9 rows ~1.4x).
 # The lookup window covers most chat contexts whole (the LRU table holds what leaves it); the
 # lookup is one vectorised pass whatever its length (a byte search on the CPU).
-EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (2, int)}
+EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (2, int), "--drafter": ("", str),
+         "--head-len": (3, int)}
 LOOKUP_WINDOW = 1024
 
 
@@ -26,21 +30,39 @@ def generate(args) -> None:
     model = Model()
     prompt = model.prompt_tokens(args)
     K, nmin, nmax = args.extra["draft_len"], args.extra["ngram_min"], args.extra["ngram_max"]
+    drafter, H = args.extra["drafter"] or None, args.extra["head_len"]
     if K < 0 or not 1 <= nmin <= nmax:
         raise UsageError("need --draft-len >= 0 and 1 <= --ngram-min <= --ngram-max")
+    if drafter is not None and drafter not in model.drafters:
+        have = ", ".join(model.drafters) or "none is attached"
+        raise UsageError(f"model {model.name!r} has no drafter {drafter!r} ({have})")
     if args.max_tokens == 0:
         return
-    ws = model.working_set()
-    if len(prompt) > 1:
-        ForwardPass(ws, prompt[:-1]).execute()  # fold all; prompt[-1] is the first window's t0
     try:
         program, specs = cacheback.cacheback_program(
             prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-            lookup_window=max(LOOKUP_WINDOW, 2 * K + 2))
+            lookup_window=max(LOOKUP_WINDOW, 2 * K + 2), drafter=drafter, head_len=H)
+        first = None if drafter is None else mtp.mtp_prefill_program(
+            drafter=drafter, draft_len=H, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+            window_capacity=max(K, H) + 1)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    run_window_loop(model, ws, program, specs, K, args.max_tokens, args.seed)
+    ws = model.working_set()
+
+    def prefill(chans):
+        if first is None:  # fold all; prompt[-1] is the first window's t0
+            if len(prompt) > 1:
+                ForwardPass(ws, prompt[:-1]).execute()
+            return
+        # the head's prompt pass: it runs over the prompt and drafts the first window
+        ep = model.register_epilogue(first, {"window": chans["window"]})
+        m = len(prompt)
+        ForwardPass(ws, prompt, geometry=StateGeometry(m, fold=m - 1), readout=list(range(m)), epilogue=ep,
+                    seed=args.seed).execute()
+        ep.release()
+
+    run_window_loop(model, ws, program, specs, max(K, H if drafter else 0), args.max_tokens, args.seed, prefill=prefill)
     ws.release()
 
 

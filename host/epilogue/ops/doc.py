@@ -13,7 +13,7 @@ DOC = Path(__file__).resolve().parents[3] / "wit" / "epilogue-ir.md"
 
 _KIND = {"int": "int", "int?": "int or null", "num": "number", "dtype": "dtype", "dims": "list of dims",
          "dim": "dim", "value": "scalar or nested list", "channel": "channel name",
-         "matcher": "matcher name"}
+         "matcher": "matcher name", "drafter": "drafter name"}
 
 
 def _attr(name: str, a: Attr) -> str:

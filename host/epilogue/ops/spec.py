@@ -21,7 +21,7 @@ class Attr:
     """An attribute's JSON type, bounds and default. kind: 'int', 'int?' (int or null), 'num'
     (a finite number), 'dtype', 'dims' (a list of dims), 'dim', 'value' (a scalar or a nested
     list, checked against the op's dtype by its type rule), 'channel' (a channel's name), 'matcher'
-    (a grammar matcher's name).
+    (a grammar matcher's name), 'drafter' (the name of a draft head attached to the model).
     default: a value, REQUIRED, or a function of the other attributes (already defaulted)."""
 
     kind: str
@@ -147,7 +147,7 @@ def _check_attr(where: str, key: str, a: Attr, v):
     if a.kind == "value":
         const_shape(where, v)  # rectangular, bounded; element types are the type rule's
         return v
-    if a.kind in ("channel", "matcher"):
+    if a.kind in ("channel", "matcher", "drafter"):
         if not isinstance(v, str) or not v:
             bad(f"a {a.kind} name")
         return v
@@ -212,6 +212,7 @@ class Typing:
     dims: dict  # symbol -> int (fixed) or symbol (alias)
     channels: dict = field(default_factory=dict)  # name -> ir.Channel
     matchers: tuple = ()  # the names of the grammar matchers the program declares
+    drafters: set = field(default_factory=set)  # the draft heads the program's ops name (collected)
 
     def fail(self, msg: str):
         raise ProgramError(f"{self.where}: {msg}")
@@ -254,6 +255,11 @@ class Typing:
     def matcher(self, name) -> str:
         if name not in self.matchers:
             self.fail(f"unknown matcher {short(name)}; declare it in 'matchers'")
+        return name
+
+    def drafter(self, name) -> str:
+        """A draft head's name: whether the model has it is checked where the program meets a model."""
+        self.drafters.add(name)
         return name
 
     def const(self, v, dtype: str) -> tuple[list, tuple[int, ...]]:

@@ -12,7 +12,7 @@ falling back to an LRU n-gram table that holds what fell out of that window.
 
 from . import trace
 from .reference import lru_lookup, lru_update, ngram_lookup
-from .round import emit_and_fold, lookup_context, verify_window
+from .round import emit_and_fold, head_verify, lookup_context, verify_window
 
 
 GATE_INIT, GATE_OPEN = 1000, 400  # the acceptance estimate, in thousandths of a token
@@ -55,7 +55,7 @@ def short_draft(K):
 
 def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
                       temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
-                      probe_after=4, probe_max=32, verify=None, start=None):
+                      probe_after=4, probe_max=32, verify=None, start=None, drafter=None, head_len=3):
     """Trace the Cacheback speculative-decoding epilogue.
 
     The guest commits prompt[:-1] to the working set first, then loops a pass whose
@@ -70,6 +70,13 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     The tokens produced so far are counted as history length - start (every round folds
     exactly what it emits until the last), not as the length of "out": the guest takes
     (removes) cells from "out" while the loop runs.
+
+    drafter: the name of an MTP head attached to the model, for the hybrid: each round drafts by
+    prompt lookup when the context offers a match (and the gate is open), else by the head
+    (`head_len` drafts, chained); the head runs over every round's folded rows either way, so its
+    state is current whenever it drafts. Channel "source" (1 cell) says where the window's drafts
+    came from (1: the head), for sampled verification's q. The guest's prompt pass must run the
+    head's prefill program (`mtp.mtp_prefill_program`) with window_capacity = the "window" spec's.
     """
     K, g, Lw, S = int(draft_len_max), int(lru_ngram), int(lookup_window), int(lru_size)
     prompt = [int(x) for x in prompt]
@@ -83,6 +90,10 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
                          "followers of the leaders leaving the window from the history)")
     if not 0 < top_p <= 1:
         raise ValueError("top_p must be in (0, 1]")
+    if drafter is not None and (K < 1 or head_len < 1):
+        raise ValueError("the hybrid needs draft_len_max >= 1 and head_len >= 1")
+    H = int(head_len) if drafter is not None else 0
+    Kw = max(K, H)  # the window's most drafts
     base = len(prompt) - 1 if start is None else int(start)
     # The LRU table holds leaders that left the lookup window: none can while the whole
     # history (at most base + max_tokens tokens) fits in it, so the table is left out.
@@ -90,9 +101,15 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
 
     p = trace.Program(readout="window")
     p.channel("out", "i64", max_tokens)
-    p.channel("window", "i64", K + 1)
+    p.channel("window", "i64", Kw + 1)
     logits, win = p.logits(), p.window()
     drafts = win[1:]
+    from_head = None
+    if H:
+        p.channel("source", "i64", 1)
+        from_head = p.read("source")[0] > 0
+        if temperature > 0 and verify is None:
+            verify = head_verify(p, drafter, drafts, from_head)
 
     n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, verify)
     out_len, emit, fold = emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, base)
@@ -100,13 +117,29 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     t0 = p.dyn_slice(vt, n, 1, size=1)  # the target's token: next round's t0
     if K == 0:
         p.set("window", t0)
+    elif H:
+        cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru)
+        # the gate follows lookup's drafts only: a round that verified the head's counts as no candidate
+        k_gate = gate(p, p.where(from_head, 0, drafts.size()), n, K, int(probe_after), int(probe_max))
+        lookup = (cand_n > 0) & (k_gate > 0)
+        room = p.maximum(max_tokens - out_len - emit - 1, 0)
+        # the head's drafts have their own gate (state "head_state"), following the rounds that verified them
+        h_gate = gate(p, p.where(from_head, drafts.size(), 0), n, H, int(probe_after), int(probe_max), "head_state")
+        # the head runs over the folded rows every round; it chains only when its drafts are used
+        d, dn = p.mtp_draft(p.hidden(), vt, fold, drafter, H, temperature, seed,
+                            limit=p.where(lookup, 0, p.minimum(room, h_gate)))
+        nxt = p.where(lookup, p.dyn_slice(cand, 0, K, size=Kw), p.dyn_slice(d, 0, H, size=Kw))
+        k_next = p.minimum(p.where(lookup, p.minimum(cand_n, k_gate), dn), room)
+        j = p.arange(1)
+        p.set("source", p.where(lookup, j, j + 1))
+        p.set("window", p.concat(t0, nxt), k_next + 1)
     else:
         cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru)
-        k_gate = _gate(p, drafts.size(), n, K, int(probe_after), int(probe_max))
+        k_gate = gate(p, drafts.size(), n, K, int(probe_after), int(probe_max))
         k_next = p.minimum(p.minimum(cand_n, k_gate), p.maximum(max_tokens - out_len - emit - 1, 0))
         p.set("window", p.concat(t0, cand), k_next + 1)
 
-    return p.to_json(), _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, int(probe_after))
+    return p.to_json(), _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, int(probe_after), H)
 
 
 def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
@@ -133,11 +166,11 @@ def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
     return cand, cand_n
 
 
-def _gate(p, d, n, K, probe_after, probe_max):
-    """draft_gate on the device: channel "spec_state" holds [estimate, idle, wait, whole];
+def gate(p, d, n, K, probe_after, probe_max, state="spec_state"):
+    """draft_gate on the device: channel `state` holds [estimate, idle, wait, whole];
     d drafts went into this round, n were accepted. Returns the next round's draft length."""
-    p.channel("spec_state", "i64", 4)
-    st = p.read("spec_state")
+    p.channel(state, "i64", 4)
+    st = p.read(state)
     e, idle, wait, whole = st[0], st[1], st[2], st[3]
     drafted = d > 0
     e = p.where(drafted, e - e // 4 + n * 250, e)
@@ -148,13 +181,14 @@ def _gate(p, d, n, K, probe_after, probe_max):
     idle = p.where(is_open, 0, p.where(probed, 1, idle + 1))
     probe = ~is_open & (idle >= wait)
     j = p.arange(4)
-    p.set("spec_state", p.where(j == 0, e, p.where(j == 1, p.where(probe, -1, idle),
+    p.set(state, p.where(j == 0, e, p.where(j == 1, p.where(probe, -1, idle),
                                                      p.where(j == 2, wait, whole))))
     return p.where(is_open | probe, p.where(whole > 0, K, short_draft(K)), 0)
 
 
-def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, probe_after):
-    """Channel specs with initial contents: the first window drafts from the prompt too."""
+def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, probe_after, H=0):
+    """Channel specs with initial contents: the first window drafts from the prompt too (with a
+    head, H > 0, the head's prefill program writes the first window instead)."""
     hist = prompt[:-1]
     chans = [{"name": "out", "dtype": "i64", "capacity": max_tokens, "init": []}]
     drafts = []
@@ -169,5 +203,9 @@ def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, pr
                       {"name": "lru_stamps", "dtype": "i64", "capacity": S, "init": stamps}]
         chans.append({"name": "spec_state", "dtype": "i64", "capacity": 4, "init": [GATE_INIT, 0, probe_after, 0]})
     drafts = drafts[:max(min(short_draft(K), max_tokens - 1), 0)]  # the gate's first draft length
-    chans.insert(1, {"name": "window", "dtype": "i64", "capacity": K + 1, "init": prompt[-1:] + drafts})
+    if H:
+        chans.append({"name": "source", "dtype": "i64", "capacity": 1, "init": [1]})
+        chans.append({"name": "head_state", "dtype": "i64", "capacity": 4, "init": [GATE_INIT, 0, probe_after, 1]})
+    init = [] if H else prompt[-1:] + drafts
+    chans.insert(1, {"name": "window", "dtype": "i64", "capacity": max(K, H) + 1, "init": init})
     return chans

@@ -3,18 +3,21 @@
 from .api import Channel, ForwardPass, StateGeometry, emit_channel
 
 
-def run_window_loop(model, ws, program, specs, draft_len, max_tokens, seed, bind=None):
+def run_window_loop(model, ws, program, specs, draft_len, max_tokens, seed, bind=None, prefill=None):
     """Create the program's channels from its specs ({name, capacity, init}; i32: the cells use -1
     as "none"), have the host stream "out", register the program, let bind(epilogue) bind what
     else it uses, and loop a pass whose window is channel "window" (readout on every row, the fold
     from the program) until the program stops. The guest only waits: no call per round. Then the
-    epilogue and the channels are released."""
+    epilogue and the channels are released. prefill(channels), if given, runs after the channels
+    are made and before the loop (a prompt pass whose epilogue writes the first window)."""
     chans = {}
     for spec in specs:
         ch = Channel("i32", spec["capacity"])
         if spec["init"]:
             ch.put(spec["init"])
         chans[spec["name"]] = ch
+    if prefill is not None:
+        prefill(chans)
     emit_channel(chans["out"])  # the host streams what the loop commits
     ep = model.register_epilogue(program, chans)
     if bind is not None:

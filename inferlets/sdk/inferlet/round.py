@@ -16,6 +16,13 @@ def verify_window(p, drafts, logits, temperature, top_p, seed, verify=None):
     return rule(p, drafts, x.softmax(), seed)
 
 
+def head_verify(p, drafter, drafts, from_head):
+    """verify_window's rule for drafts that may come from an MTP head: q = the head's distributions
+    (from_head, a bool scalar) or one-hot (deterministic drafts, e.g. prompt lookup's)."""
+    q = p.draft_probs(drafts, from_head, drafter)
+    return lambda prog, d, probs, s: prog.verify_sample(d, probs, q, seed=s)
+
+
 def emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, base):
     """Append the committed tokens to "out", cut after the first EOS and at max_tokens in total;
     fold t0 plus the accepted drafts (fewer when the output was cut: the rows before the last

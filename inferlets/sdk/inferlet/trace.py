@@ -376,6 +376,19 @@ class Program:
         return self._op("grammar_commit", [tokens, self._lift(count, "i64")], {"matcher": matcher, "k": int(k)},
                         ["i64", "i64"], 2)
 
+    # --- draft heads ---------------------------------------------------------
+    def mtp_draft(self, hidden, tokens, count, drafter, k, temperature=0.0, seed=0, limit=None):
+        """Run the MTP head `drafter` over window rows [0, count) (hidden[r] with tokens[r], the token
+        after row r), then chain it to min(k, limit) drafts -> (drafts [k] padded with -1, their number)."""
+        args = [hidden, tokens, self._lift(count, "i64")] + ([] if limit is None else [self._lift(limit, "i64")])
+        return self._op("mtp_draft", args,
+                        {"drafter": str(drafter), "k": int(k), "temperature": float(temperature), "seed": int(seed)},
+                        ["i64", "i64"], 2)
+
+    def draft_probs(self, drafts, from_head, drafter):
+        """f32 [k, V]: the head's distributions of its last sampled drafts (from_head), else one-hot."""
+        return self._op("draft_probs", [drafts, self._lift(from_head, "bool")], {"drafter": str(drafter)}, "f32")
+
     def _need_matcher(self, name):
         if name not in self._matchers:
             raise TraceError("unknown matcher %r: declare it with p.matcher(name)" % name)

@@ -1,0 +1,267 @@
+"""The prompt set a draft head is self-distilled on: the target answers these, and the head learns
+to predict the target's own next-next choices over those answers.
+
+Deterministic and self-contained (no data set, no download, nothing from the benchmark prompts):
+general topics crossed with task templates (explain, summarise, list, compare, rewrite, answer,
+argue, teach...), plus families with their own items: code tasks, math word problems, story
+openings to continue, dialogues, text to rewrite or summarise, and short factual questions.
+`training_prompts()` interleaves the families so that any prefix of the list is still diverse.
+"""
+
+from __future__ import annotations
+
+import random
+
+TOPICS = [
+    "photosynthesis", "black holes", "the water cycle", "plate tectonics", "vaccines", "the immune system",
+    "climate change", "renewable energy", "electric cars", "the printing press", "the Roman Empire",
+    "the French Revolution", "the Industrial Revolution", "ancient Egypt", "the Silk Road", "democracy",
+    "inflation", "supply and demand", "compound interest", "cryptocurrency", "machine learning",
+    "neural networks", "the internet", "computer viruses", "public key cryptography", "databases",
+    "operating systems", "cloud computing", "quantum computing", "the human heart", "sleep",
+    "nutrition", "exercise", "meditation", "coffee", "bread baking", "composting", "honey bees",
+    "coral reefs", "rainforests", "volcanoes", "earthquakes", "the moon landing", "Mars exploration",
+    "the solar system", "gravity", "electricity", "magnetism", "light and color", "sound waves",
+    "DNA", "evolution", "antibiotics", "the periodic table", "chess", "jazz music", "the Olympic Games",
+    "social media", "remote work", "time management", "public speaking", "learning a new language",
+    "urban gardening", "recycling", "the stock market", "small businesses", "architecture",
+    "bridges", "trains", "airplanes", "the ocean tides", "weather forecasting", "mountains",
+    "deserts", "friendship", "kindness", "libraries", "museums", "photography", "painting",
+    "poetry", "video games", "smartphones", "robots", "3D printing", "space telescopes",
+]
+
+TOPIC_TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "Explain {t} to a ten-year-old.",
+    "What is {t}? Give a short answer.",
+    "Write a short paragraph about {t}.",
+    "Give me five interesting facts about {t}.",
+    "List the main advantages and disadvantages of {t}.",
+    "Summarize what everyone should know about {t} in three sentences.",
+    "Write a short poem about {t}.",
+    "What are the most common misconceptions about {t}?",
+    "How would you teach {t} to a beginner? Give a step-by-step plan.",
+    "Write a blog post introduction about {t}.",
+    "What is the history of {t}?",
+    "Why is {t} important? Answer in a few sentences.",
+    "Describe {t} using an analogy.",
+    "Write three quiz questions about {t}, with answers.",
+    "What questions do people often ask about {t}? Answer two of them.",
+    "Write a tweet about {t}.",
+    "Give a one-sentence definition of {t}, then explain it in more detail.",
+    "Write an outline for an essay on {t}.",
+    "What would a future without {t} look like?",
+]
+
+COMPARE_PAIRS = [
+    ("cats", "dogs"), ("tea", "coffee"), ("Python", "JavaScript"), ("trains", "planes"),
+    ("renting", "buying a home"), ("books", "movies"), ("summer", "winter"), ("cities", "the countryside"),
+    ("solar power", "wind power"), ("email", "phone calls"), ("running", "swimming"),
+    ("paper books", "e-readers"), ("lists", "tuples in Python"), ("TCP", "UDP"), ("viruses", "bacteria"),
+    ("weather", "climate"), ("SQL", "NoSQL databases"), ("classical music", "rock music"),
+    ("working from home", "working in an office"), ("stocks", "bonds"),
+]
+COMPARE_TEMPLATES = [
+    "Compare {a} and {b}.",
+    "What are the differences between {a} and {b}?",
+    "Which is better, {a} or {b}? Give arguments for both sides.",
+    "Write a short table comparing {a} and {b}.",
+]
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "computes the nth Fibonacci number",
+    "sorts a list of dictionaries by a key", "counts the words in a text file", "merges two sorted lists",
+    "finds the largest element in a list", "removes duplicates from a list while keeping order",
+    "checks whether a string is a palindrome", "converts Celsius to Fahrenheit",
+    "computes the factorial of a number", "flattens a nested list", "implements binary search",
+    "validates an email address with a regular expression", "reads a CSV file and prints the average of a column",
+    "implements a stack class", "computes the greatest common divisor of two numbers",
+    "counts the vowels in a string", "finds all pairs in a list that sum to a target",
+    "implements bubble sort", "transposes a matrix", "generates all permutations of a list",
+    "parses a date string and prints the weekday", "implements a simple linked list",
+    "computes the moving average of a list of numbers", "checks whether two strings are anagrams",
+    "converts a Roman numeral to an integer", "implements a queue using two stacks",
+    "finds the longest common prefix of a list of strings", "returns the n most common words in a text",
+]
+CODE_LANGS = ["Python", "Python", "Python", "JavaScript", "C", "Rust", "Java", "Go", "Bash", "C++"]
+CODE_TEMPLATES = [
+    "Write a {lang} function that {task}.",
+    "Write a {lang} program that {task}, and explain how it works.",
+    "Show me how to write code in {lang} that {task}. Include a test.",
+]
+CODE_MISC = [
+    "What is the difference between a list and a set in Python?",
+    "Explain what a closure is in JavaScript with an example.",
+    "What does the `yield` keyword do in Python?",
+    "Explain recursion with a simple code example.",
+    "What is Big O notation? Give examples.",
+    "Write a SQL query that returns the ten customers with the highest total orders.",
+    "Explain what a race condition is and how to avoid it.",
+    "How do I read a JSON file in Python?",
+    "Write a regular expression that matches US phone numbers and explain it.",
+    "What is the difference between git merge and git rebase?",
+    "Explain object-oriented programming in simple terms.",
+    "Write a Python class representing a bank account with deposit and withdraw methods.",
+    "How does a hash table work?",
+    "Explain the difference between a process and a thread.",
+    "Write an HTML page with a form that asks for a name and an email.",
+    "What is an API? Give an example.",
+]
+
+NAMES = ["Anna", "Ben", "Carlos", "Dina", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jack", "Lena", "Omar"]
+ITEMS = [("apples", 3), ("pencils", 2), ("books", 12), ("cookies", 1), ("marbles", 5), ("stickers", 4),
+         ("tickets", 15), ("cupcakes", 3), ("notebooks", 6), ("oranges", 2)]
+
+
+def _math_problems(rng: random.Random, n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        a, b = rng.sample(NAMES, 2)
+        item, price = ITEMS[i % len(ITEMS)]
+        x, y, z = rng.randint(3, 40), rng.randint(2, 12), rng.randint(2, 9)
+        kind = i % 8
+        if kind == 0:
+            out.append(f"{a} has {x} {item}. {b} gives {a} {y} more, and then {a} gives away {z}. "
+                       f"How many {item} does {a} have now? Explain step by step.")
+        elif kind == 1:
+            out.append(f"Each of the {item} costs ${price}. {a} buys {y} of them and pays with a ${price * y + z * 5} "
+                       f"bill. How much change does {a} get?")
+        elif kind == 2:
+            out.append(f"A train travels at {x + 40} km per hour for {z} hours. How far does it travel? "
+                       "Show your work.")
+        elif kind == 3:
+            out.append(f"{a} reads {y} pages a day. The book has {y * x} pages. How many days will it take "
+                       f"{a} to finish the book?")
+        elif kind == 4:
+            out.append(f"A rectangle is {x} cm long and {y} cm wide. What are its area and its perimeter?")
+        elif kind == 5:
+            out.append(f"{a} is {x} years old and {b} is {y} years younger. How old will {b} be in {z} years?")
+        elif kind == 6:
+            out.append(f"A shop sells a jacket for ${x * 5}. It is on sale for {z * 5}% off. What is the sale price?")
+        else:
+            out.append(f"Solve for x: {z}x + {y} = {z * x + y}. Explain each step.")
+    return out
+
+
+STORY_OPENINGS = [
+    "The lighthouse keeper had not seen a ship in forty years, until one stormy night",
+    "When Maya opened the old wooden box in her grandmother's attic, she found",
+    "The robot woke up in an empty factory and realized",
+    "On the first day of school, the new teacher walked in carrying a cage with",
+    "The map was drawn in faded ink, and at its center was a small red X",
+    "Nobody in the village believed the old fisherman when he said",
+    "The spaceship's computer announced that fuel was running low, and the captain",
+    "It was the last train of the night, and only two passengers were left:",
+    "The dragon was tired of guarding gold and decided",
+    "Every morning at seven, the bakery on the corner smelled of cinnamon, but today",
+    "The detective looked at the muddy footprints and smiled, because",
+    "After the power went out across the whole city,",
+    "The letter arrived fifty years late, addressed to",
+    "A small cat followed Leo home from the park and",
+    "The scientist checked the results three times; they were impossible, yet",
+    "Deep in the forest there was a door standing by itself, with no house around it.",
+]
+STORY_TEMPLATES = [
+    "Continue this story: \"{s}\"",
+    "Write a short story that begins with: \"{s}\"",
+    "Continue the story in a funny way: \"{s}\"",
+]
+
+DIALOGUES = [
+    "Write a dialogue between a customer and a waiter at a restaurant.",
+    "Write a conversation between two friends planning a weekend trip.",
+    "Write a dialogue between a teacher and a student who forgot their homework.",
+    "Write a short job interview between a manager and a candidate for a barista position.",
+    "Write a conversation between a doctor and a patient with a cold.",
+    "Write a dialogue in which a child asks a parent why the sky is blue.",
+    "Write a conversation between a tourist asking for directions and a local.",
+    "Write a dialogue between two robots discussing humans.",
+    "Write a phone call between a customer and tech support about a broken laptop.",
+    "Write a conversation between a grandparent and a grandchild about life before smartphones.",
+    "Write a debate between two students about whether homework should be banned.",
+    "Write a dialogue between a shop assistant and a customer returning a pair of shoes.",
+]
+
+REWRITE_TEXTS = [
+    "me and him goes to the store yesterday and buyed some milk",
+    "The meeting has been moved to Thursday because the manager is sick.",
+    "Our product is very good and you should buy it because it is good.",
+    "I am writing to complain about the late delivery of my order, which arrived two weeks after the promised date.",
+    "The cat sat on the mat and looked at the bird outside the window.",
+    "Due to unforeseen circumstances, the event is cancelled.",
+    "hey can u send me the report asap thx",
+    "Exercise improves mood, sleep, and energy, and it lowers the risk of many diseases.",
+    "The city council approved a new budget that increases funding for parks and public transport.",
+    "It was a dark and stormy night, and the wind howled through the trees.",
+]
+REWRITE_TEMPLATES = [
+    "Rewrite this sentence in a more formal tone: \"{x}\"",
+    "Fix the grammar in this text: \"{x}\"",
+    "Rewrite this so a child can understand it: \"{x}\"",
+    "Translate this into French: \"{x}\"",
+    "Summarize this in a few words: \"{x}\"",
+    "Make this text more enthusiastic: \"{x}\"",
+]
+
+QUESTIONS = [
+    "What is the capital of Australia?", "How many continents are there? Name them.",
+    "Why do leaves change color in autumn?", "How do airplanes stay in the air?",
+    "What causes rainbows?", "Who wrote Romeo and Juliet, and what is it about?",
+    "How does a refrigerator work?", "Why is the ocean salty?", "What is the speed of light?",
+    "How do I make a cup of tea?", "What should I pack for a week-long camping trip?",
+    "How can I improve my sleep?", "What are some tips for a job interview?",
+    "How do I start learning to play the guitar?", "What is a healthy breakfast?",
+    "How do vaccines work?", "Why do we have seasons?", "How does the heart pump blood?",
+    "What is the difference between weather and climate?", "How do I change a flat tire?",
+    "What are good habits for studying?", "How can I save money each month?",
+    "What is the tallest mountain in the world?", "Why do cats purr?",
+    "How do bees make honey?", "What is the Pythagorean theorem?", "How do I write a good resume?",
+    "What are the planets in our solar system?", "How does recycling help the environment?",
+    "Give me a recipe for pancakes.", "Plan a three-day trip to Paris.",
+    "Suggest five names for a pet goldfish.", "Write a thank-you note to a friend who helped me move.",
+    "Write an email asking my boss for a day off.", "Give me ideas for a birthday party for a seven-year-old.",
+    "Write a haiku about the rain.", "Tell me a joke about computers.", "Write a limerick about a cat.",
+    "What are the rules of chess, briefly?", "Describe a sunset to someone who has never seen one.",
+]
+
+
+def _families(seed: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    topic = [tpl.format(t=t) for t in TOPICS for tpl in TOPIC_TEMPLATES]
+    compare = [tpl.format(a=a, b=b) for a, b in COMPARE_PAIRS for tpl in COMPARE_TEMPLATES]
+    code = [tpl.format(lang=lang, task=task) for i, task in enumerate(CODE_TASKS)
+            for j, tpl in enumerate(CODE_TEMPLATES) for lang in [CODE_LANGS[(i + 3 * j) % len(CODE_LANGS)]]]
+    code += CODE_MISC
+    math = _math_problems(rng, 120)
+    story = [tpl.format(s=s) for s in STORY_OPENINGS for tpl in STORY_TEMPLATES]
+    rewrite = [tpl.format(x=x) for x in REWRITE_TEXTS for tpl in REWRITE_TEMPLATES]
+    fams = [topic, compare, code, math, story, list(DIALOGUES), rewrite, list(QUESTIONS)]
+    for f in fams:
+        rng.shuffle(f)
+    return fams
+
+
+# how many of each family per round of interleaving (the mix any prefix of the list has)
+MIX = (8, 1, 3, 2, 1, 1, 1, 2)
+
+
+def training_prompts(seed: int = 0) -> list[str]:
+    """Every prompt of the set (about 2,400), deterministically ordered so that any prefix mixes the
+    families in the proportions of MIX (topics 8 : compare 1 : code 3 : math 2 : story 1 :
+    dialogue 1 : rewrite 1 : questions 2), then the remainders."""
+    fams = [list(f) for f in _families(seed)]
+    out, seen = [], set()
+    while any(fams):
+        for f, k in zip(fams, MIX):
+            for _ in range(k):
+                if f:
+                    p = f.pop(0)
+                    if p not in seen:
+                        seen.add(p)
+                        out.append(p)
+    return out
+
+
+def is_validation(index: int, every: int = 10) -> bool:
+    """The held-apart split, by prompt: every `every`-th prompt of the list."""
+    return index % every == every - 1

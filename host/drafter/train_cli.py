@@ -1,0 +1,104 @@
+"""`pie drafter train MODEL --name NAME`: self-distil an MTP draft head for an imported model.
+
+host/cli.py registers it with `add_parser(subparsers)` (the `drafter` command's subparsers);
+`python -m host.drafter.train_cli MODEL --name NAME ...` runs the same command stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from .train import TrainConfig
+
+    d = TrainConfig(name="")
+    p.add_argument("model", help="an imported model's name (see `pie model list`) or a model folder")
+    p.add_argument("--name", required=True, help="the head's name (saved to $PIE_HOME/drafters/NAME)")
+    p.add_argument("--out", type=Path, help="where to save the head (default $PIE_HOME/drafters/NAME)")
+    p.add_argument("--work-dir", type=Path,
+                   help="cache of replies, features and checkpoints (default: NAME.work next to --out)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help=f"reply tokens to generate (default {d.tokens})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"longest reply per prompt (default {d.max_new_tokens})")
+    p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the training replies (default {d.epochs})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help=f"draft vocabulary size; 0 picks the smallest covering {d.coverage * 100:.0f}%% of the labels (default 0)")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"prompt order, sampling and batch order (default {d.seed})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"sequences per optimizer step (default {d.batch})")
+    p.add_argument("--gen-batch", type=int, default=d.gen_batch, help=f"prompts per generation batch (default {d.gen_batch})")
+    p.add_argument("--gen-dtype", default=d.gen_dtype, choices=["bfloat16", "float32", "auto"],
+                   help="dtype the replies are generated in (features always use the model's own; default bfloat16)")
+    p.add_argument("--features", default=d.features, choices=["generate", "forward"],
+                   help="capture h and the target's argmax while generating (default, fast) or by one more "
+                        "forward of the model in its own dtype (exact, slower)")
+    p.add_argument("--unroll", type=int, default=d.unroll, help=f"chained draft steps trained (default {d.unroll})")
+    p.add_argument("--init", default=d.init, choices=["target", "block", "random"],
+                   help="the head's initial weights: random (default, measured best), block (block and final norm copied from the target's last layer), target (also eh_proj = [0 | I])")
+    p.add_argument("--no-autocast", action="store_true", help="train in float32 (default: bfloat16 autocast)")
+    p.add_argument("--resume", action="store_true", help="continue from the work folder's checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _resolve_model(model: str) -> Path:
+    from .. import store
+    from ..errors import InvalidArgument
+
+    p = Path(model).expanduser()
+    if p.is_dir() and (p / "config.json").exists():
+        return p
+    try:
+        rec = store.read_record(model)
+    except Exception as e:  # ModelNotFound and friends: say what to do
+        raise InvalidArgument(f"no model {model!r}: import it first (`pie model import {model}`) or give a folder") from e
+    folder = Path(rec.path) if rec.path else store.models_dir() / rec.name
+    return folder if (folder / "config.json").exists() else store.models_dir() / rec.name
+
+
+def run(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .train import TrainConfig, train
+
+    folder = _resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cfg = TrainConfig(name=args.name, out=args.out, work_dir=args.work_dir, tokens=args.tokens,
+                      max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
+                      seed=args.seed, batch=args.batch, gen_batch=args.gen_batch, gen_dtype=args.gen_dtype,
+                      unroll=args.unroll, features=args.features, init=args.init, autocast=not args.no_autocast, resume=args.resume,
+                      progress=not args.quiet,
+                      command=getattr(args, "command_line", None) or "pie " + shlex.join(sys.argv[1:]))
+    res = train(model, tok, cfg)
+    v = res["validation"]
+    print(f"saved {res['out']}: validation top-1 {v['top1']:.3f}, step-2 top-1 {v['top1_step2']:.3f}, "
+          f"expected accepted drafts (k=1..4) {', '.join(f'{x:.2f}' for x in v['expected_accepted'])}")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `train` under the `drafter` command's subparsers; its handler is `args.func`."""
+    p = subparsers.add_parser("train", help="self-distil an MTP draft head for a model (CPU, minutes)",
+                              description=__doc__.splitlines()[0])
+    _add_train_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pie drafter")
+    sub = parser.add_subparsers(dest="drafter_command", required=True)
+    add_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.command_line = "pie drafter " + shlex.join(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

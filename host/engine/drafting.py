@@ -1,0 +1,195 @@
+"""Draft heads on the engine: an MTP head (host/drafter/mtp.py) run over the paged KV pool.
+
+The head's block has its own KV layer in the pool (the engine allocates one more layer per head),
+so its rows live in the working set's pages: forks share them, evictions and page copies move them
+with the target's, and only rows below the frozen end are ever attended to. The head's row r pairs
+the target's hidden state at row r with the token that follows it, so a round writes the head's
+rows for exactly the rows it folds, and its chained drafts go to scratch rows past them (the next
+round overwrites those, as it does the target's rejected rows).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..epilogue.kernels import argmax, exp_race
+from ..errors import InvalidArgument
+from . import attention
+from .linear import PackedLinears
+from .readout import Readout
+from .working_set import WorkingSet
+
+
+@dataclass
+class DraftState:
+    """One working set's binding to a head: the distributions of its last proposal (sampled drafts).
+    It refers to the working set weakly: the head's table of states must not keep it alive."""
+
+    _ws: weakref.ref
+    q: torch.Tensor | None = None  # [n, Vd] the head's distributions of its last proposal's drafts
+    drafts: torch.Tensor | None = None  # that proposal (read only when q is asked for)
+    at: int = -1  # the frozen length its window starts at
+
+    @property
+    def ws(self) -> WorkingSet:
+        return self._ws()
+
+
+@dataclass
+class Binding:
+    """Env.drafters' value (host/epilogue/env.py DraftBinding)."""
+
+    runner: "HeadRunner"
+    state: DraftState
+
+
+class HeadRunner:
+    """Implements the epilogue's DraftRunner protocol for one attached head."""
+
+    def __init__(self, engine, name: str, head, layer: int):
+        head.set_attention(attention.NAME)
+        head.block.self_attn.layer_idx = layer
+        self.engine, self.name, self.head, self.layer = engine, name, head, layer
+        self.vocab_size = engine.info.vocab_size
+        decoder = engine.model.get_decoder()
+        self._embed, self._rotary = decoder.embed_tokens, decoder.rotary_emb
+        w = head.output_weight(engine.model.get_output_embeddings().weight).detach()
+        out = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        out.weight = torch.nn.Parameter(w.contiguous(), requires_grad=False)
+        self._out = Readout(out)
+        self.draft_vocab_size = w.shape[0]
+        self._ids = head.draft_vocab  # head output index -> target id (None: the identity)
+        self.linears = PackedLinears(head)
+        self._states: dict[int, DraftState] = {}
+
+    def bind(self, ws: WorkingSet) -> Binding:
+        """The working set's one state for this head: every program run on it (a prompt pass's, then
+        its loop's) sees the proposal the last one made."""
+        st = self._states.get(ws.id)
+        if st is None:
+            st = self._states[ws.id] = DraftState(weakref.ref(ws))
+            weakref.finalize(ws, self._states.pop, ws.id, None)
+        return Binding(self, st)
+
+    # ---- the DraftRunner protocol ------------------------------------------------------
+    def propose(self, states: list[DraftState], hidden: torch.Tensor, tokens: torch.Tensor, counts: list[int],
+                k: int, temperature: float, uniforms: torch.Tensor | None,
+                limits: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        eng = self.engine
+        B = len(states)
+        drafts = torch.full((B, k), -1, dtype=torch.int64, device=eng.device)
+        n = [0] * B
+        live = [b for b in range(B) if counts[b] > 0]
+        for b in range(B):
+            states[b].q, states[b].drafts, states[b].at = None, None, -1
+        if not live:
+            return drafts, n
+        dtype = eng.dtype
+        hidden = torch.as_tensor(hidden)
+        # extend: the head's rows for the rows this round commits
+        ids, hid, pos, slots, win, frozen = [], [], [], [], [], []
+        for b in live:
+            ws, c = states[b].ws, counts[b]
+            P, first = ws.frozen, ws.next_position
+            ids.append(tokens[b, :c])
+            hid.append(hidden[b, :c])
+            pos.extend(range(first, first + c))
+            slots.extend(ws.slots(P, P + c))
+            win.append(c)
+            frozen.append(P)
+        x = torch.cat(ids).to(eng.device)
+        h = torch.cat(hid).to(eng.device, dtype)
+        g = self._run(x, h, pos, slots, live, states, win, frozen)
+        ends = torch.tensor(list(_cumsum(win)), device=eng.device) - 1
+        last = g.index_select(0, ends)
+        # chain: one row per pass, at the scratch rows past the committed ones
+        rows = [states[b].ws.frozen + counts[b] for b in live]  # the row the next step writes
+        firsts = [states[b].ws.next_position + counts[b] for b in live]
+        want = [k if limits is None else limits[b] for b in live]
+        active = [i for i in range(len(live)) if want[i] > 0]
+        if len(active) < len(live):
+            if not active:
+                return drafts, n
+            last = last.index_select(0, torch.tensor(active, device=eng.device))
+        qs: list[list[torch.Tensor]] = [[] for _ in live]
+        for j in range(k):
+            logits = self._out(self.head.norm(last)).float()
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                u = uniforms[[live[i] for i in active], j].to(logits.device)
+                choice = exp_race(probs, u)
+                for a, i in enumerate(active):
+                    qs[i].append(probs[a])
+            else:
+                choice = argmax(logits)
+            ids_j = choice if self._ids is None else self._ids.index_select(0, choice.to(self._ids.device))
+            rows_b = [live[i] for i in active]
+            drafts[rows_b, j] = ids_j.to(drafts.device)  # no host read: on a GPU the chain stays queued
+            for b in rows_b:
+                n[b] = j + 1
+            if j == k - 1:
+                break
+            keep = [a for a, i in enumerate(active) if j + 1 < want[i] and self._room(states[live[i]].ws, rows[i] + j)]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                active = [active[a] for a in keep]
+                sel = torch.tensor(keep, device=eng.device)
+                last, ids_j = last.index_select(0, sel), ids_j.index_select(0, sel.to(ids_j.device))
+            r = [rows[i] + j for i in active]
+            p = [firsts[i] + j for i in active]
+            sl = [states[live[i]].ws.slot(ri) for i, ri in zip(active, r)]
+            last = self._run(ids_j.to(eng.device), last, p, sl, [live[i] for i in active], states, [1] * len(active), r)
+        if temperature > 0:
+            for i, b in enumerate(live):
+                st = states[b]
+                st.q, st.drafts, st.at = torch.stack(qs[i]), drafts[b, :n[b]], st.ws.frozen + counts[b]
+        return drafts, n
+
+    def probs(self, state: DraftState, drafts: list[int]) -> torch.Tensor:
+        V = self.vocab_size
+        q = torch.zeros(len(drafts), V, dtype=torch.float32, device=self.engine.device)
+        real = [d for d in drafts if d >= 0]
+        if not real:
+            return q
+        if state.q is None or state.at != state.ws.frozen or state.drafts[:len(real)].tolist() != real \
+                or any(d >= 0 for d in drafts[len(real):]):
+            raise InvalidArgument(f"drafter {self.name!r}: this window's drafts are not the head's last sampled "
+                                  "proposal for this working set (draft_probs needs from_head only for them)")
+        rows = state.q[:len(real)].to(q.device)
+        if self._ids is None:
+            q[:len(real)] = rows
+        else:
+            q[:len(real)].index_copy_(1, self._ids.to(q.device), rows)
+        return q
+
+    # ---- the head over the pool ----------------------------------------------------------
+    def _room(self, ws: WorkingSet, row: int) -> bool:
+        """Whether the chain may write `row`: its page is the working set's and it is in context."""
+        return row < len(ws.pages) * ws.pool.page_size and row < self.engine.info.context_len
+
+    def _run(self, ids, hidden, positions, slots, passes, states, windows, frozen) -> torch.Tensor:
+        """The head over a ragged batch: pass i has `windows[i]` rows from row frozen[i]."""
+        eng = self.engine
+        dev = eng.device
+        starts = list(_cumsum([0] + windows[:-1]))
+        ends = [f + w for f, w in zip(frozen, windows)]
+        ctx = [states[b].ws.slots(0, e) for b, e in zip(passes, ends)]
+        group = attention.make_group(dev, starts, windows, frozen, ends, ctx, None, True)
+        meta = attention.BatchMeta(eng.kv, torch.tensor(slots, device=dev), [group])
+        pos = torch.tensor(positions, device=dev)[None]
+        e = self._embed(ids)[None]
+        pe = self._rotary(e, pos)
+        with self.linears.active():
+            g = self.head(e, hidden[None].to(e.dtype), pe, position_ids=pos, pie_batch=meta)
+        return g[0]
+
+
+def _cumsum(xs):
+    t = 0
+    for x in xs:
+        t += x
+        yield t

@@ -1,0 +1,60 @@
+"""mtp-speculative-decoding: the model's MTP head drafts; everything per round runs on the device.
+
+The guest runs the prompt's pass (readout on every row, all but the last token folded) with an
+epilogue that runs the head over the prompt and drafts the first window, then starts one looping
+pass whose epilogue verifies the window, commits the accepted prefix, extends the head over the
+committed rows and chains it into the next window (`inferlet.mtp`). The guest only takes the
+committed tokens: no call per round.
+"""
+
+import wit_world
+from componentize_py_types import Err
+from inferlet import ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, parse_generation_args
+from inferlet import mtp
+from inferlet.loop import run_window_loop
+
+# --draft-len 2: on a CPU each verified row costs a share of a pass, and a chained head's later
+# drafts are accepted less often than its first (see the README's MTP figures)
+EXTRA = {"--draft-len": (2, int), "--drafter": ("", str), "--fixed": (0, int)}
+
+
+def generate(args) -> None:
+    model = Model()
+    prompt = model.prompt_tokens(args)
+    K, name = args.extra["draft_len"], args.extra["drafter"] or (model.drafters[0] if model.drafters else "")
+    if K < 1:
+        raise UsageError("need --draft-len >= 1 (text-completion is the plain decoder)")
+    if not name:
+        raise UsageError(f"model {model.name!r} has no draft head attached; import it with "
+                         f"`pie model import {model.name} --drafter NAME`")
+    if name not in model.drafters:
+        raise UsageError(f"model {model.name!r} has no drafter {name!r} (attached: {', '.join(model.drafters)})")
+    if args.max_tokens == 0:
+        return
+    try:
+        program, specs = mtp.mtp_program(
+            drafter=name, start=len(prompt) - 1, draft_len=K, eos_ids=model.eos_ids, max_tokens=args.max_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, adaptive=not args.extra["fixed"])
+        first = mtp.mtp_prefill_program(drafter=name, draft_len=K, max_tokens=args.max_tokens,
+                                        temperature=args.temperature, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    ws = model.working_set()
+
+    def prefill(chans):
+        ep = model.register_epilogue(first, {"window": chans["window"]})
+        m = len(prompt)
+        ForwardPass(ws, prompt, geometry=StateGeometry(m, fold=m - 1), readout=list(range(m)), epilogue=ep,
+                    seed=args.seed).execute()
+        ep.release()
+
+    run_window_loop(model, ws, program, specs, K, args.max_tokens, args.seed, prefill=prefill)
+    ws.release()
+
+
+class WitWorld(wit_world.WitWorld):
+    def run(self) -> None:
+        try:
+            generate(parse_generation_args(arguments(), EXTRA))
+        except (PieError, UsageError) as e:
+            raise Err(str(e))

@@ -1,0 +1,139 @@
+"""`pie drafter train`: self-distilling an MTP head, on a tiny random Llama (no download, seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from host.drafter import train as T
+from host.drafter.mtp import load_head
+from host.drafter.prompts import is_validation, training_prompts
+
+
+@pytest.fixture
+def target():
+    from transformers import LlamaForCausalLM
+
+    from host.conformance.models import TinyTokenizer, tiny_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_config()).eval()
+    return model, TinyTokenizer()
+
+
+PROMPTS = [p[:40] for p in training_prompts()[:40]]
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(name="tiny-mtp", out=tmp_path / "out", work_dir=tmp_path / "work", tokens=800, max_new_tokens=24,
+                gen_batch=8, gen_dtype="auto", epochs=6, lr=3e-3, batch=4, eval_points=3, ckpt_every=5,
+                progress=False, seed=0)
+    base.update(kw)
+    return T.TrainConfig(**base)
+
+
+def test_prompt_set_is_deterministic_and_diverse():
+    a, b = training_prompts(), training_prompts()
+    assert a == b and len(a) >= 500 and len(set(a)) == len(a)
+    head = a[:200]
+    assert any("function" in p for p in head) and any("story" in p.lower() for p in head)
+    assert any("dialogue" in p.lower() or "conversation" in p.lower() for p in head)
+    assert sum(is_validation(i) for i in range(100)) == 10
+
+
+def test_chain_mask():
+    m = T._chain_mask(3, 2, "cpu")[0, 0]
+    assert m.tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]]
+
+
+def test_inline_features_match_a_forward(tmp_path, target):
+    """h and the argmax captured while generating (left-padded, one row per decode step) are the
+    ones a plain forward over prompt + reply gives, row for row."""
+    model, tok = target
+    cfg = _cfg(tmp_path, tokens=100).resolved()
+    seqs = T.generate(model, tok, PROMPTS[:8], cfg, tmp_path / "w1")
+    plain = [{k: (v.tolist() if k == "ids" else v) for k, v in q.items() if k not in ("h", "choice")} for q in seqs]
+    ref = T.capture(model, plain, cfg, tmp_path / "w2")
+    assert len(seqs) == len(ref) == 8 and len({len(q["ids"]) for q in seqs}) >= 1
+    for a, b in zip(seqs, ref):
+        L, P = len(a["ids"]), a["prompt_len"]
+        assert a["h"].shape == (L - 1, 64) and torch.equal(a["ids"], b["ids"])
+        torch.testing.assert_close(a["h"].float(), b["h"][:L - 1].float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(a["choice"][P - 1:L - 1], b["choice"][P - 1:L - 1])
+        assert torch.equal(a["choice"][P - 1:L - 1].long(), a["ids"][P:].long())  # greedy
+
+
+def test_train_tiny_head(tmp_path, monkeypatch, target):
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    model, tok = target
+    res = T.train(model, tok, _cfg(tmp_path), prompts=PROMPTS)
+    out = tmp_path / "out"
+    for f in ("head.safetensors", "drafter.json", "training.png", "RECIPE.md"):
+        assert (out / f).exists(), f
+    losses = [h["loss"] for h in res["history"]["train"]]
+    assert len(losses) == res["steps"] >= 20
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 * 0.9
+    vals = [h["top1"] for h in res["history"]["val"]]
+    assert len(vals) == 3 and vals[-1] > vals[0]
+    v = res["validation"]
+    assert 0.0 <= v["top1"] <= 1.0 and 0.0 <= v["top1_step2"] <= 1.0 and v["rows"] > 0
+    ea = v["expected_accepted"]
+    assert len(ea) == 4 and all(a <= b + 1e-9 for a, b in zip(ea, ea[1:])) and ea[-1] <= 4
+    assert v["top1"] > 0.3  # a random tiny model's greedy replies are very predictable
+    spec = json.loads((out / "drafter.json").read_text())
+    assert spec["source"] == "trained" and spec["recipe"]["validation"]["top1"] == round(v["top1"], 4)
+    assert spec["recipe"]["data"]["reply_tokens"] >= 800 and spec["draft_vocab_size"] <= 97
+    head, hs = load_head(out, model)
+    assert hs.name == "tiny-mtp" and head.draft_vocab is not None and len(head.draft_vocab) == spec["draft_vocab_size"]
+    # the lm_head is shared, never stored
+    from safetensors.torch import load_file
+    keys = load_file(str(out / "head.safetensors")).keys()
+    assert "head.weight" not in keys and "eh_proj.weight" in keys
+    assert all(t.dtype == torch.bfloat16 for k, t in load_file(str(out / "head.safetensors")).items() if k != "draft_vocab")
+    # nothing under $PIE_HOME was written
+    assert not (tmp_path / "home").exists()
+
+
+def test_resume_continues_from_checkpoint(tmp_path, monkeypatch, target):
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    model, tok = target
+    cfg = _cfg(tmp_path, tokens=400, epochs=3, ckpt_every=4, eval_points=1)
+    part = T.train(model, tok, T.TrainConfig(**{**cfg.__dict__, "stop_after": 7}), prompts=PROMPTS)
+    assert part["interrupted"] and part["steps"] == 7 and (tmp_path / "work" / "ckpt.pt").exists()
+    assert not (tmp_path / "out" / "head.safetensors").exists()
+    gen = sorted((tmp_path / "work" / "gen").glob("shard_*.pt"))
+    mtimes = [p.stat().st_mtime_ns for p in gen]
+    done = T.train(model, tok, T.TrainConfig(**{**cfg.__dict__, "resume": True}), prompts=PROMPTS)
+    # generation and features came from the work folder
+    assert [p.stat().st_mtime_ns for p in gen] == mtimes
+    assert done["recipe"]["time_s"]["generate"] < 1.0
+    steps = [h["step"] for h in done["history"]["train"]]
+    assert steps == list(range(1, done["steps"] + 1)) and done["steps"] > 7
+    # the resumed run ends where an uninterrupted one does
+    full = T.train(model, tok, _cfg(tmp_path / "b", tokens=400, epochs=3, ckpt_every=4, eval_points=1), prompts=PROMPTS)
+    assert [round(h["loss"], 4) for h in full["history"]["train"]] == [round(h["loss"], 4) for h in done["history"]["train"]]
+    assert abs(full["validation"]["top1"] - done["validation"]["top1"]) < 1e-6
+
+
+def test_cli_parser(tmp_path, monkeypatch):
+    import argparse
+
+    from host.drafter import train_cli
+
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    parser = argparse.ArgumentParser(prog="pie drafter")
+    train_cli.add_parser(parser.add_subparsers(dest="drafter_command", required=True))
+    args = parser.parse_args(["train", "smollm2-135m", "--name", "h", "--tokens", "5000", "--epochs", "2",
+                              "--lr", "5e-4", "--draft-vocab", "4096", "--seed", "3", "--batch", "4", "--resume",
+                              "--max-new-tokens", "64", "--work-dir", str(tmp_path / "w")])
+    assert args.func is train_cli.run and args.name == "h" and args.tokens == 5000 and args.resume
+    assert (args.epochs, args.lr, args.draft_vocab, args.seed, args.batch, args.max_new_tokens) == (2, 5e-4, 4096, 3, 4, 64)
+    cfg = T.TrainConfig(name="h").resolved()
+    assert cfg.out == tmp_path / "home" / "drafters" / "h" and cfg.work_dir == tmp_path / "home" / "drafters" / "h.work"
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert train_cli._resolve_model(str(folder)) == folder
