@@ -48,6 +48,7 @@ class FailsFor:
 
     def __init__(self, program, bad: set):
         self.program, self.bad, self.uses, self.has_fold = program, bad, program.uses, program.has_fold
+        self.spare, self.reads_logits = program.spare, program.reads_logits
 
     def run(self, envs):
         if any(id(e.channels["out"]) in self.bad for e in envs):

@@ -88,23 +88,13 @@ def start(sched, eng, prompt, K=3, max_tokens=32, seed=0, temperature=0.0, top_p
     if verify is not None:  # a broken rule, to show the distribution test can fail
         prog = _with_rule(K, max_tokens, len(prompt) - 1, seed, verify)
     first = mtp.mtp_prefill_program(drafter=NAME, draft_len=K, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    P, F = compile_program(prog), compile_program(first)
-
-    def begin():
-        ws = eng.new_working_set()
-        ch = {s["name"]: chan(s["capacity"], s["init"]) for s in specs}
-        src = chan(len(prompt), prompt)
-        pre = DeviceLoop(ws, F, {"window": ch["window"]}, src, max_window=len(prompt), rounds=1, seed=seed,
-                         fold=len(prompt) - 1, hidden=True, drafters=eng.bind_drafters(F.checked.drafters, ws), spare=F.spare,
-                         logits="logits" in F.uses)  # False: the prompt pass computes no logits
-        return ws, ch, sched.start_loop(pre)
-
-    ws, ch, pre = compute().call(begin)
-    pre.result(timeout=60)
+    P = compile_program(prog)
+    ch = {s["name"]: chan(s["capacity"], s["init"]) for s in specs}
+    ws, _, _ = prompt_pass(sched, eng, prompt, first, ch["window"], seed)
 
     def loop():
         lp = DeviceLoop(ws, P, ch, ch["window"], max_window=K + 1, rounds=1000, seed=seed, hidden=True,
-                        drafters=eng.bind_drafters(P.checked.drafters, ws), spare=P.spare)
+                        drafters=eng.bind_drafters(P.checked.drafters, ws))
         return lp, sched.start_loop(lp)
 
     lp, fut = compute().call(loop)
@@ -170,20 +160,25 @@ def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, 
     torch.testing.assert_close(mine[layer], fresh[layer], atol=1e-4, rtol=1e-4)  # the head's rows
 
 
-def _prefill_only(sched, eng, prompt, K=3):
-    first = compile_program(mtp.mtp_prefill_program(drafter=NAME, draft_len=K))
+def prompt_pass(sched, eng, prompt, program, window, seed=0):
+    """The head's prompt pass (an mtp_prefill_program): readout on every row, all but the last token
+    folded; its epilogue drafts the first window into `window`. Returns (ws, window, its future)."""
+    prog = compile_program(program)
 
     def begin():
         ws = eng.new_working_set()
-        win, src = chan(K + 1), chan(len(prompt), prompt)
-        pre = DeviceLoop(ws, first, {"window": win}, src, max_window=len(prompt), rounds=1, fold=len(prompt) - 1,
-                         hidden=True, drafters=eng.bind_drafters(first.checked.drafters, ws), spare=first.spare,
-                         logits="logits" in first.uses)
-        return ws, win, sched.start_loop(pre)
+        pre = DeviceLoop(ws, prog, {"window": window}, chan(len(prompt), prompt), max_window=len(prompt), rounds=1,
+                         fold=len(prompt) - 1, hidden=True, seed=seed, drafters=eng.bind_drafters(prog.checked.drafters, ws))
+        return ws, sched.start_loop(pre)
 
-    ws, win, fut = compute().call(begin)
+    ws, fut = compute().call(begin)
     fut.result(timeout=60)
-    return ws, win, fut
+    return ws, window, fut
+
+
+def _prefill_only(sched, eng, prompt, K=3, temperature=0.0, seed=0):
+    first = mtp.mtp_prefill_program(drafter=NAME, draft_len=K, temperature=temperature, seed=seed)
+    return prompt_pass(sched, eng, prompt, first, chan(K + 1), seed)
 
 
 def test_seeded_sampled_runs_repeat(tiny_module, greedy_text):
@@ -301,7 +296,7 @@ def test_draft_probs_are_the_heads_distributions_or_one_hot(tiny_module):
     runner, head, Tq = eng.heads[NAME], eng.heads[NAME].head, 0.9
     sched = Scheduler(eng)
     try:
-        ws, win, _ = _prefill_only_sampled(sched, eng, PROMPT_REF, K=3, temperature=Tq)
+        ws, win, _ = _prefill_only(sched, eng, PROMPT_REF, K=3, temperature=Tq, seed=5)
     finally:
         sched.close()
     window = cells(win)
@@ -329,41 +324,3 @@ def _ir_index(p, v) -> int:
 
 
 PROMPT_REF = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
-
-
-def _prefill_only_sampled(sched, eng, prompt, K, temperature):
-    first = compile_program(mtp.mtp_prefill_program(drafter=NAME, draft_len=K, temperature=temperature, seed=5))
-
-    def begin():
-        ws = eng.new_working_set()
-        win, src = chan(K + 1), chan(len(prompt), prompt)
-        pre = DeviceLoop(ws, first, {"window": win}, src, max_window=len(prompt), rounds=1, fold=len(prompt) - 1,
-                         hidden=True, seed=5, drafters=eng.bind_drafters(first.checked.drafters, ws), spare=first.spare,
-                         logits="logits" in first.uses)
-        return ws, win, sched.start_loop(pre)
-
-    ws, win, fut = compute().call(begin)
-    fut.result(timeout=60)
-    return ws, win, fut
-
-
-def test_a_limit_stops_the_chain_and_zero_runs_only_the_heads_rows(tiny_module, greedy_text):
-    from host.engine import Pass
-
-    eng, _ = head_engine(tiny_module, greedy_text)
-    runner = eng.heads[NAME]
-    wss = [eng.new_working_set() for _ in range(3)]
-    outs = eng.forward([Pass(ws, REPETITIVE, list(range(len(REPETITIVE))), fold=0, hidden=True, spare=3) for ws in wss])
-    hidden = torch.stack([o.hidden for o in outs])
-    toks = torch.tensor([REPETITIVE[1:] + [0]] * 3)
-    before = eng.kv[-1].clone()
-    with torch.inference_mode():
-        drafts, n = runner.propose([runner.bind(ws).state for ws in wss], hidden, toks, [16, 16, 16], 4, 0.0, None,
-                                   limits=[4, 2, 0])
-    assert n == [4, 2, 0]
-    assert (drafts[0] >= 0).all() and drafts[1, :2].tolist() == drafts[0, :2].tolist() and (drafts[1, 2:] == -1).all()
-    assert (drafts[2] == -1).all()
-    for ws in wss:  # every pass wrote the head's rows 0..15, the limit-0 one too
-        rows = ws.slots(0, 16)
-        assert not torch.equal(eng.kv[-1][:, rows], before[:, rows])
-    torch.testing.assert_close(eng.kv[-1][:, wss[2].slots(0, 16)], eng.kv[-1][:, wss[0].slots(0, 16)])

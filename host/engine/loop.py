@@ -89,8 +89,8 @@ class DeviceLoop:
     hidden: bool = False
     matchers: dict[str, GrammarMatcher] = field(default_factory=dict)  # name in the program -> matcher
     drafters: dict[str, DraftBinding] = field(default_factory=dict)  # name in the program -> head bound to ws
-    spare: int = 0  # rows past the window each pass prepares (Program.spare: a draft head's chain)
-    logits: bool = True  # False: the program reads no logits, and the pass computes none
+    spare: int = field(init=False)  # rows past the window each pass prepares (Program.spare: a draft head's chain)
+    logits: bool = field(init=False)  # False: the program reads no logits, and the pass computes none
     round: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
     done: Future = field(default_factory=Future)
@@ -99,6 +99,8 @@ class DeviceLoop:
     _locks: list | None = None
 
     def __post_init__(self):
+        self.spare = self.program.spare if self.program is not None else 0
+        self.logits = self.program is None or self.program.reads_logits
         if (self.fold is Fold.CHANNEL) != (self.fold_channel is not None):
             raise InvalidArgument("a fold from a channel needs the channel, and only it does")
         if self.fold is Fold.EPILOGUE and (self.program is None or not self.program.has_fold):

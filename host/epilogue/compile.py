@@ -65,6 +65,7 @@ class Program:
         self.uses = {i.kind for i in checked.inputs}
         names = {o.name for o in checked.ops}
         self.has_fold = "fold" in names
+        self.reads_logits = "logits" in self.uses  # else a pass running it needs no lm_head
         # scratch rows past the window a pass of this program needs: a draft head's chain of k
         # drafts writes k - 1 rows past the rows the round commits (ops/drafter.py)
         self.spare = max((op.attrs["k"] - 1 for op in checked.ops if "drafter" in op.attrs and "k" in op.attrs), default=0)

@@ -516,8 +516,7 @@ class InstanceHost:
             seed = _u64(_field(call, "seed", "epilogue call"), "seed")
         # each readout row costs a logits row, unless the pass's epilogue reads no logits (a draft
         # head's prompt pass reads hidden states only: a row of the hidden size)
-        reads_logits = program is None or "logits" in program.uses
-        if reads_logits:
+        if program is None or program.reads_logits:
             self._check_readout_rows(rows)
         fold_channel = None
         if fold.tag == "from-channel":
@@ -531,8 +530,7 @@ class InstanceHost:
         # the loop records its rounds straight into the inferlet's draft statistics
         rule = {"all": Fold.ALL, "from-channel": Fold.CHANNEL, "from-epilogue": Fold.EPILOGUE}.get(fold.tag, fold.payload)
         drafters = self.engine.bind_drafters(program.checked.drafters, ws) if program is not None else {}
-        loop = DeviceLoop(ws, program, channels, src, matchers=matchers, drafters=drafters,
-                          spare=program.spare if program is not None else 0, logits=reads_logits, max_window=window, rounds=rounds or 1, readout=rows,
+        loop = DeviceLoop(ws, program, channels, src, matchers=matchers, drafters=drafters, max_window=window, rounds=rounds or 1, readout=rows,
                           fold=rule, fold_channel=fold_channel, seed=seed, stats=self.draft_stats,
                           on_round=self._count_round, hidden=program is not None and "hidden" in program.uses)
         return loop, kind

@@ -13,9 +13,9 @@ guest calls for the whole run instead of two per token.
 
 import wit_world
 from componentize_py_types import Err
-from inferlet import ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, parse_generation_args
+from inferlet import ForwardPass, Model, PieError, UsageError, arguments, parse_generation_args
 from inferlet import cacheback, mtp
-from inferlet.loop import run_window_loop
+from inferlet.loop import head_prompt_pass, run_window_loop
 
 # ngram-min 2: single-token matches propose drafts nearly every round and are mostly wrong, and
 # verifying any draft costs a step (a 2-row pass ~1.2x a 1-row pass on a CPU, 9 rows ~1.4x).
@@ -55,12 +55,7 @@ def generate(args) -> None:
             if len(prompt) > 1:
                 ForwardPass(ws, prompt[:-1]).execute()
             return
-        # the head's prompt pass: it runs over the prompt and drafts the first window
-        ep = model.register_epilogue(first, {"window": chans["window"]})
-        m = len(prompt)
-        ForwardPass(ws, prompt, geometry=StateGeometry(m, fold=m - 1), readout=list(range(m)), epilogue=ep,
-                    seed=args.seed).execute()
-        ep.release()
+        head_prompt_pass(model, ws, prompt, first, chans["window"], args.seed)  # drafts the first window
 
     run_window_loop(model, ws, program, specs, max(K, H if drafter else 0), args.max_tokens, args.seed, prefill=prefill)
     ws.release()

@@ -9,9 +9,9 @@ committed tokens: no call per round.
 
 import wit_world
 from componentize_py_types import Err
-from inferlet import ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, parse_generation_args
+from inferlet import Model, PieError, UsageError, arguments, parse_generation_args
 from inferlet import mtp
-from inferlet.loop import run_window_loop
+from inferlet.loop import head_prompt_pass, run_window_loop
 
 # --draft-len 2: on a CPU each verified row costs a share of a pass, and a chained head's later
 # drafts are accepted less often than its first (see the README's MTP figures)
@@ -41,14 +41,8 @@ def generate(args) -> None:
         raise UsageError(str(e)) from None
     ws = model.working_set()
 
-    def prefill(chans):
-        ep = model.register_epilogue(first, {"window": chans["window"]})
-        m = len(prompt)
-        ForwardPass(ws, prompt, geometry=StateGeometry(m, fold=m - 1), readout=list(range(m)), epilogue=ep,
-                    seed=args.seed).execute()
-        ep.release()
-
-    run_window_loop(model, ws, program, specs, K, args.max_tokens, args.seed, prefill=prefill)
+    run_window_loop(model, ws, program, specs, K, args.max_tokens, args.seed,
+                    prefill=lambda chans: head_prompt_pass(model, ws, prompt, first, chans["window"], args.seed))
     ws.release()
 
 

@@ -3,6 +3,17 @@
 from .api import Channel, ForwardPass, StateGeometry, emit_channel
 
 
+def head_prompt_pass(model, ws, prompt, program, window, seed):
+    """A draft head's prompt pass (`mtp.mtp_prefill_program`): the whole prompt, readout on every
+    row, all but its last token folded; the epilogue runs the head over the prompt and writes the
+    first window into channel `window`."""
+    ep = model.register_epilogue(program, {"window": window})
+    m = len(prompt)
+    ForwardPass(ws, prompt, geometry=StateGeometry(m, fold=m - 1), readout=list(range(m)), epilogue=ep,
+                seed=seed).execute()
+    ep.release()
+
+
 def run_window_loop(model, ws, program, specs, draft_len, max_tokens, seed, bind=None, prefill=None):
     """Create the program's channels from its specs ({name, capacity, init}; i32: the cells use -1
     as "none"), have the host stream "out", register the program, let bind(epilogue) bind what
