@@ -324,3 +324,25 @@ def _ir_index(p, v) -> int:
 
 
 PROMPT_REF = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+
+
+def test_a_limit_stops_the_chain_and_zero_runs_only_the_heads_rows(tiny_module, greedy_text):
+    from host.engine import Pass
+
+    eng, _ = head_engine(tiny_module, greedy_text)
+    runner = eng.heads[NAME]
+    wss = [eng.new_working_set() for _ in range(3)]
+    outs = eng.forward([Pass(ws, REPETITIVE, list(range(len(REPETITIVE))), fold=0, hidden=True, spare=3) for ws in wss])
+    hidden = torch.stack([o.hidden for o in outs])
+    toks = torch.tensor([REPETITIVE[1:] + [0]] * 3)
+    before = eng.kv[-1].clone()
+    with torch.inference_mode():
+        drafts, n = runner.propose([runner.bind(ws).state for ws in wss], hidden, toks, [16, 16, 16], 4, 0.0, None,
+                                   limits=[4, 2, 0])
+    assert n == [4, 2, 0]
+    assert (drafts[0] >= 0).all() and drafts[1, :2].tolist() == drafts[0, :2].tolist() and (drafts[1, 2:] == -1).all()
+    assert (drafts[2] == -1).all()
+    for ws in wss:  # every pass wrote the head's rows 0..15, the limit-0 one too
+        rows = ws.slots(0, 16)
+        assert not torch.equal(eng.kv[-1][:, rows], before[:, rows])
+    torch.testing.assert_close(eng.kv[-1][:, wss[2].slots(0, 16)], eng.kv[-1][:, wss[0].slots(0, 16)])
