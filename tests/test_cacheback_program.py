@@ -44,7 +44,7 @@ def start(sched, eng, prompt, seed=0, **kw):
     folds = []
     loop = DeviceLoop(ws, compile_program(text), channels, channels["window"],
                       max_window=channels["window"].buf.shape[0], rounds=1000, seed=seed,
-                      on_round=lambda lp, w, f: folds.append((w, f)))
+                      on_round=lambda lp, w, f, cost: folds.append((w, f)))
     return loop, channels, folds, sched.start_loop(loop)
 
 

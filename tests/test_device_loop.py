@@ -153,3 +153,33 @@ def test_window_with_a_token_outside_the_vocabulary_fails_that_loop_only(tiny, m
         assert cells(good_out) == plain_greedy(eng, [5, 9, 13, 4], 8)
     finally:
         sched.close()
+
+
+def test_batched_loops_share_the_step_time_they_are_charged(tiny):
+    """Each round is charged its rows' share of the batched step (the CPU-time budget's clock):
+    loops running together are charged, in all, no more than the time they ran, not each the whole step."""
+    import time
+
+    eng, _ = tiny
+    sched = Scheduler(eng)
+    charged, sets, loops = [], [], []
+    try:
+        for p in ([5, 9, 13, 4], [7, 8], [30, 31, 32]):
+            ws = eng.new_working_set()
+            sets.append(ws)
+            eng.forward([Pass(ws, p[:-1], [0])])
+            out, win = chan(256), chan(1, [p[-1]])
+            loops.append(DeviceLoop(ws, compile_program(greedy_program(10_000, eos=-5)), {"out": out, "window": win},
+                                    win, max_window=1, rounds=8,
+                                    on_round=lambda lp, w, f, cost: charged.append(cost)))
+        t0 = time.perf_counter()
+        futs = [sched.start_loop(lp) for lp in loops]
+        for fut in futs:
+            assert fut.result(timeout=60).rounds == 8
+        wall = time.perf_counter() - t0
+    finally:
+        sched.close()
+        for ws in sets:
+            eng.release(ws)
+    assert len(charged) == 24 and all(c > 0 for c in charged)
+    assert sum(charged) <= wall

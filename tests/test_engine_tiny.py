@@ -104,12 +104,12 @@ def test_evict_keeps_surviving_rows(tiny):
     ws = eng.new_working_set()
     s = seq(11)
     run(eng, Pass(ws, s, [0]))
-    before = eng.kv[:, :, torch.tensor(ws.slots(0, 11))].clone()
+    before = eng.kv[:, :, :, torch.tensor(ws.slots(0, 11))].clone()
     eng.evict(ws, 2, 7)
     assert ws.frozen == 6 and ws.tokens == s[:2] + s[7:]
     assert ws.positions == [0, 1, 7, 8, 9, 10] and ws.next_position == 11
-    after = eng.kv[:, :, torch.tensor(ws.slots(0, 6))]
-    assert torch.equal(after, before[:, :, [0, 1, 7, 8, 9, 10]])
+    after = eng.kv[:, :, :, torch.tensor(ws.slots(0, 6))]
+    assert torch.equal(after, before[:, :, :, [0, 1, 7, 8, 9, 10]])
     (o,) = run(eng, Pass(ws, [12], [0]))
     assert torch.isfinite(o.logits).all() and ws.frozen == 7
 

@@ -154,8 +154,8 @@ def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, 
     F = ws.frozen
     assert ref_ws.frozen == F
     layer = eng.model.config.num_hidden_layers  # the head's KV layer
-    mine = eng.kv[:, :, ws.slots(0, F)]
-    fresh = eng.kv[:, :, ref_ws.slots(0, F)]
+    mine = eng.kv[:, :, :, ws.slots(0, F)]
+    fresh = eng.kv[:, :, :, ref_ws.slots(0, F)]
     torch.testing.assert_close(mine[:layer], fresh[:layer], atol=1e-4, rtol=1e-4)  # the target's rows
     torch.testing.assert_close(mine[layer], fresh[layer], atol=1e-4, rtol=1e-4)  # the head's rows
 
@@ -344,5 +344,5 @@ def test_a_limit_stops_the_chain_and_zero_runs_only_the_heads_rows(tiny_module, 
     assert (drafts[2] == -1).all()
     for ws in wss:  # every pass wrote the head's rows 0..15, the limit-0 one too
         rows = ws.slots(0, 16)
-        assert not torch.equal(eng.kv[-1][:, rows], before[:, rows])
-    torch.testing.assert_close(eng.kv[-1][:, wss[2].slots(0, 16)], eng.kv[-1][:, wss[0].slots(0, 16)])
+        assert not torch.equal(eng.kv[-1][:, :, rows], before[:, :, rows])
+    torch.testing.assert_close(eng.kv[-1][:, :, wss[2].slots(0, 16)], eng.kv[-1][:, :, wss[0].slots(0, 16)])

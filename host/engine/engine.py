@@ -24,6 +24,7 @@ from .compute import on_compute_thread
 from .linear import PackedLinears
 from .pages import PagePool, Quota
 from .readout import Readout
+from .stack import LayerStack
 from .working_set import WorkingSet
 
 
@@ -140,7 +141,7 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.pool = PagePool(kv_pages, page_size)
         heads = dict(heads or {})
-        self.kv = torch.zeros(cfg.num_hidden_layers + len(heads), 2, kv_pages * page_size, cfg.num_key_value_heads, head_dim,
+        self.kv = torch.zeros(cfg.num_hidden_layers + len(heads), 2, cfg.num_key_value_heads, kv_pages * page_size, head_dim,
                               dtype=self.dtype, device=self.device)
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -154,8 +155,11 @@ class Engine:
         self._decoder = model.get_decoder()
         self._lm_head = Readout(model.get_output_embeddings())
         self.linears = PackedLinears(self._decoder)
+        # the layers without transformers' per-layer Python, where the architecture allows (stack.py);
+        # None runs transformers' forward (a benchmark's baseline may set it so)
+        self.stack = LayerStack.of(model, self.linears)
         # the readout's hidden state is the last layer's output before the final norm (what MTP
-        # heads take): kept from the norm's input, which the decoder computes anyway
+        # heads take): on transformers' path, kept from the norm's input
         self._prenorm: torch.Tensor | None = None
         self._decoder.norm.register_forward_pre_hook(self._keep_prenorm)
         from .drafting import HeadRunner  # here: a model without heads never loads it
@@ -218,7 +222,7 @@ class Engine:
     def _copy_slots(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
-        self.kv[:, :, d] = self.kv[:, :, s]
+        self.kv[:, :, :, d] = self.kv[:, :, :, s]
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         p = self.pool.page_size
@@ -350,9 +354,7 @@ class Engine:
             with torch.inference_mode():
                 return self.run(batch)
         t0 = time.perf_counter()
-        with self.linears.active():
-            out = self._decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                                use_cache=False, pie_batch=batch.meta)
+        prenorm, last = self._layers(batch)
         want = [ps.logits for ps in batch.passes]
         rows = batch.readout_index
         if not all(want):  # the lm_head only over the rows of passes that read logits
@@ -360,13 +362,12 @@ class Engine:
             rows = rows[torch.tensor(keep, dtype=torch.long, device=rows.device)] if keep else None
         logits = None
         if rows is not None:
-            logits = self._lm_head(out.last_hidden_state[0].index_select(0, rows)).float()
+            logits = self._lm_head(last.index_select(0, rows)).float()
             if self._softcap:
                 logits = torch.tanh(logits / self._softcap) * self._softcap
         hidden = None
         if any(ps.hidden for ps in batch.passes):
-            hidden = self._prenorm[0].index_select(0, batch.readout_index).float()
-        self._prenorm = None
+            hidden = prenorm.index_select(0, batch.readout_index).float()
         self.model_time_s += time.perf_counter() - t0
         if len(batch.passes) == 1:  # nothing to split (each torch op costs ~10 us after a model call)
             return [PassOutput(logits, hidden if batch.passes[0].hidden else None)]
@@ -375,6 +376,16 @@ class Engine:
         hiddens = hidden.split(splits) if hidden is not None else [None] * len(splits)
         return [PassOutput(next(lgs) if ps.logits else None, hd if ps.hidden else None)
                 for ps, hd in zip(batch.passes, hiddens)]
+
+    def _layers(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch through the decoder: the last layer's output before and after the final norm."""
+        with self.linears.active():
+            if self.stack is not None:
+                return self.stack(batch.input_ids, batch.position_ids, batch.meta)
+            out = self._decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                use_cache=False, pie_batch=batch.meta)
+        prenorm, self._prenorm = self._prenorm, None
+        return prenorm[0], out.last_hidden_state[0]
 
     @staticmethod
     def _row_ranges(batch: Batch) -> list[range]:

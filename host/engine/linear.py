@@ -19,7 +19,9 @@ Elsewhere (CUDA, other dtypes, a build without oneDNN) nothing changes.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -134,6 +136,25 @@ class PackedLinears:
             return group.take(i, x) if self._on else stock(x)
 
         return forward
+
+    def product(self, mods: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> the sibling linears' outputs side by side, as one tensor: the packed product of
+        their fused group (or of the one packed layer) while `active()`, else the stock layers."""
+        group = getattr(mods[0], "_pie_group", (None,))[0]
+        if group is not None and [getattr(m, "_pie_group", None) for m in mods] == [(group, i) for i in range(len(group.sizes))]:
+            fast = functools.partial(packed_linear, packed=group.packed, bias=group.bias)
+        elif len(mods) == 1 and getattr(mods[0], "_pie_packed", None) is not None:
+            fast = functools.partial(packed_linear, packed=mods[0]._pie_packed, bias=mods[0].bias)
+        else:
+            fast = None
+        stocks = [getattr(m, "_pie_stock", m.forward) for m in mods]
+
+        def stock(x: torch.Tensor) -> torch.Tensor:
+            return stocks[0](x) if len(stocks) == 1 else torch.cat([f(x) for f in stocks], -1)
+
+        if fast is None:
+            return stock
+        return lambda x: fast(x) if self._on else stock(x)
 
     @contextmanager
     def active(self):

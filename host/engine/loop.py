@@ -95,7 +95,8 @@ class DeviceLoop:
     stats: LoopStats = field(default_factory=LoopStats)
     done: Future = field(default_factory=Future)
     finished: bool = False  # done is resolved (a plain flag: the scheduler reads it twice a round)
-    on_round: Callable | None = None  # callback(loop, window, fold) after each round's bookkeeping
+    on_round: Callable | None = None  # callback(loop, window, fold, cost_s) after each round's bookkeeping;
+    # cost_s: the round's share of its batched step's time (the scheduler's rule, by rows)
     _locks: list | None = None
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import threading
+import time
 
 import torch
 from concurrent.futures import Future
@@ -108,6 +109,7 @@ class Scheduler:
 
     def _step(self, work: list[tuple[Pass, Future]], loops: list[DeviceLoop]) -> None:
         eng = self.engine
+        started = time.perf_counter()
         live, loop_passes = [], []
         for lp in loops:
             try:
@@ -150,11 +152,14 @@ class Scheduler:
                 else:
                     lp.finish(errors[i])
             if ran:
-                self._postprocess_loops(ran)
+                rows = sum(passes[i].window for i in by_index)
+                self._postprocess_loops(ran, started, rows)
 
-    def _postprocess_loops(self, ran: list) -> None:
+    def _postprocess_loops(self, ran: list, started: float, rows: int) -> None:
         """Epilogues, readback and bookkeeping of the loops that ran: a failure in any of them
-        ends its own loop only (one instance's program must not stop another's)."""
+        ends its own loop only (one instance's program must not stop another's). Each loop's
+        round costs the step's time so far times its share of the batch's rows (`on_round`):
+        a loop batched with seven others is not charged the whole step."""
         loops = [r[0] for r in ran]
         locks = loops[0].locks() if len(loops) == 1 else \
             [lk for _, lk in sorted({id(lk): lk for lp in loops for lk in lp.locks()}.items())]
@@ -170,19 +175,20 @@ class Scheduler:
                 else:
                     alive.append((r, res))
             backs = readback([r[0] for r, _ in alive], [r[1] for r, _ in alive], [res for _, res in alive])
+            per_row = (time.perf_counter() - started) / max(rows, 1)
             for ((lp, ps, first, _), _), back in zip(alive, backs):
                 if isinstance(back, PieError):
                     lp.finish(back)
                     continue
                 try:
-                    self._commit_round(lp, ps, first, back)
+                    self._commit_round(lp, ps, first, back, per_row * ps.window)
                 except Exception as e:
                     lp.finish(unexpected("the loop's round", e))
         finally:
             for lk in reversed(locks):
                 lk.release()
 
-    def _commit_round(self, lp: DeviceLoop, ps: Pass, first: int, back: RoundReadback) -> None:
+    def _commit_round(self, lp: DeviceLoop, ps: Pass, first: int, back: RoundReadback, cost_s: float) -> None:
         eng = self.engine
         fold = back.fold
         if isinstance(fold, bool) or not isinstance(fold, numbers.Integral) or not 0 <= fold <= ps.window:
@@ -200,6 +206,6 @@ class Scheduler:
         lp.stats.record(lp.drafts(ps.window), fold)
         lp.round += 1
         if lp.on_round is not None:
-            lp.on_round(lp, ps.window, fold)
+            lp.on_round(lp, ps.window, fold, cost_s)
         if back.stop or lp.round >= lp.rounds:
             lp.finish()  # the producers detach: waiting takes wake up

@@ -150,7 +150,6 @@ class InstanceHost:
         self.loops: list[DeviceLoop] = []
         self.guest_time_s = 0.0
         self.loop_time_s = 0.0  # running time of the device loops, charged to the CPU-time budget
-        self._loop_clock: dict[int, float] = {}  # id(loop) -> when its last round (or its start) was charged
         self._last_exit = time.perf_counter()
         self._epoch_key = None
 
@@ -188,7 +187,6 @@ class InstanceHost:
                 obj.sink = None
         self.handles.clear()
         self.loops.clear()
-        self._loop_clock.clear()
         self.cells = 0
 
     # ---- time: the CPU-time budget and cancellation -----------------------------------------
@@ -540,13 +538,11 @@ class InstanceHost:
             raise BudgetExceeded(f"{len(rows)} readout rows in one pass, more than its limit of "
                                  f"{self.limits.readout_rows} ({flag('readout_rows')})")
 
-    def _count_round(self, loop: DeviceLoop, window: int, fold: int) -> None:
-        """After each round, on the compute thread: the round's time is charged to the CPU-time
-        budget (from the loop's previous round, or its start); past it, or cancelled, the loop ends."""
+    def _count_round(self, loop: DeviceLoop, window: int, fold: int, cost_s: float) -> None:
+        """After each round, on the compute thread: the round's share of its step is charged to the
+        CPU-time budget; past it, or cancelled, the loop ends."""
         self.passes += 1
-        now = time.perf_counter()
-        self.loop_time_s += now - self._loop_clock.get(id(loop), now)
-        self._loop_clock[id(loop)] = now
+        self.loop_time_s += cost_s
         if self._over_cpu():
             raise Cancelled(self.fatal)
 
@@ -582,7 +578,6 @@ class InstanceHost:
             for ch in chans.values():
                 ch.detach_producer(err)
         loop.done.add_done_callback(ended)
-        self._loop_clock[id(loop)] = time.perf_counter()
         self.loops.append(loop)
         self.scheduler.start_loop(loop)
 

@@ -1,0 +1,95 @@
+"""The decoder's layer stack run directly over transformers' modules, for the common layer.
+
+A one-row pass through transformers' own forward spends a third of its time outside the
+matrix products, in some 75 operator calls and a dozen module calls per layer (profile with
+`python -m bench.profile`). For the Llama layer (Llama, Mistral, Qwen2) this loop does the
+same arithmetic with about 20 operators per layer: q/k/v and gate/up come from one product
+each (linear.py), RoPE rotates q and k together, and no module machinery runs between them.
+It reads every weight, norm epsilon and rotary table from the loaded transformers model, so it
+holds no copy of the model. Each operator computes what transformers' code computes, in the
+same order: `tests/test_engine_stack.py` checks the logits are bit-identical on tiny random
+models of each supported architecture. Any other architecture runs transformers' forward
+with the engine's attention hook (attention.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import attention
+from .linear import PackedLinears
+
+# model_type -> the layer this module runs; each is checked bit-identical by the tests
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Layer:
+    norm1: torch.Tensor
+    qkv: Product  # x -> [q | k | v]
+    o: Product
+    norm2: torch.Tensor
+    gate_up: Product  # x -> [gate | up]
+    down: Product
+    scaling: float
+
+
+class LayerStack:
+    def __init__(self, decoder: torch.nn.Module, linears: PackedLinears):
+        cfg = decoder.config
+        self.decoder = decoder
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.inter = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.layers = []
+        for layer in decoder.layers[:cfg.num_hidden_layers]:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(Layer(
+                layer.input_layernorm.weight, linears.product([a.q_proj, a.k_proj, a.v_proj]), linears.product([a.o_proj]),
+                layer.post_attention_layernorm.weight, linears.product([m.gate_proj, m.up_proj]),
+                linears.product([m.down_proj]), a.scaling))
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, linears: PackedLinears) -> LayerStack | None:
+        """The stack for a model whose layers it runs exactly, else None."""
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED or cfg.hidden_act != "silu":
+            return None
+        return cls(model.get_decoder(), linears)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' RMSNorm: normalised in float32, scaled in the model's dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 meta: attention.BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, position_ids: [T]. Returns the last layer's output before and after the
+        final norm, [T, hidden] each."""
+        dec = self.decoder
+        x = dec.embed_tokens(input_ids)
+        t, hd, h, kvh = x.shape[0], self.head_dim, self.heads, self.kv_heads
+        cos, sin = dec.rotary_emb(x[None], position_ids[None])  # [1, T, head_dim]
+        half = hd // 2
+        cos = cos[0, :, None, :]
+        # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated: exactly
+        sin = torch.cat([-sin[0, :, None, :half], sin[0, :, None, half:]], -1)
+        q_end, k_end = h * hd, (h + kvh) * hd
+        for i, ly in enumerate(self.layers):
+            qkv = ly.qkv(self._norm(x, ly.norm1))
+            qk = qkv[:, :k_end].view(t, h + kvh, hd)  # q's and k's heads side by side: one rotation
+            qk = qk * cos + torch.roll(qk, half, -1) * sin
+            q = qk[:, :h].transpose(0, 1)[None]  # [1, heads, T, head_dim]
+            out = attention.attend(meta, i, q, qk[:, h:], qkv[:, k_end:].view(t, kvh, hd), ly.scaling)
+            x = x + ly.o(out[0].transpose(0, 1).reshape(t, q_end))
+            gu = ly.gate_up(self._norm(x, ly.norm2))
+            x = x + ly.down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
+        return x, self._norm(x, dec.norm.weight)

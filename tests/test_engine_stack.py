@@ -1,0 +1,109 @@
+"""The engine's layer stack (host/engine/stack.py) against transformers' forward, bit for bit.
+
+Each supported architecture gets a tiny random model; one engine runs the same batches through
+its layer stack and through transformers' forward (with the engine's attention hook), with the
+packed products and with the stock layers (the path CUDA takes), and the logits and hidden
+states must be equal exactly, not to a tolerance: the stack claims the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from host.conformance.models import TinyTokenizer, tiny_config
+from host.engine import Engine, Pass
+from host.engine.stack import SUPPORTED, LayerStack
+
+
+def tiny_model(model_type: str, **extra):
+    import transformers
+
+    base = tiny_config().to_dict()
+    for k in ("model_type", "architectures", "transformers_version"):
+        base.pop(k, None)
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v with bias
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # q/k norms: not the stack's layer
+    }[model_type]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = model_cls(cfg_cls(**{**base, **extra})).eval()
+        for p in model.parameters():  # random norms and biases too, so a skipped one shows
+            torch.nn.init.normal_(p, std=0.2) if p.dim() == 1 else None
+    return model
+
+
+def seq(n, start=3):
+    return [(start + 7 * i) % 90 + 3 for i in range(n)]
+
+
+def batches(eng):
+    """A prefill, decodes, multi-row windows, a fork, a truncation and a long lone pass, as lists
+    of passes over fresh working sets (the same for every engine built the same way)."""
+    a, b, c = eng.new_working_set(), eng.new_working_set(), eng.new_working_set()
+    yield [Pass(a, seq(9, 1), list(range(9)), hidden=True)]
+    yield [Pass(b, seq(3, 2), [2], hidden=True), Pass(c, seq(2, 5), [0, 1])]
+    yield [Pass(a, [11], [0], hidden=True), Pass(b, [12, 13, 14], [0, 1, 2]), Pass(c, seq(20, 4), [0, 19])]
+    d = eng.fork(a)
+    eng.truncate(c, 3)
+    yield [Pass(a, [20, 21], [0, 1], hidden=True), Pass(d, [30], [0]), Pass(c, [40], [0])]
+    yield [Pass(d, [31, 32, 33, 34], [0, 1, 2, 3], fold=2, hidden=True)]
+
+
+def outputs(model, stack: bool, packed: bool):
+    eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
+    eng.linears.enabled = packed
+    if not stack:
+        eng.stack = None
+    out = []
+    for passes in batches(eng):
+        for o in eng.forward(passes):
+            assert not isinstance(o, Exception), o
+            out.append((o.logits, o.hidden))
+    return eng, out
+
+
+CASES = [(t, {}) for t in SUPPORTED] + [("llama", {"attention_bias": True, "mlp_bias": True})]
+
+
+@pytest.mark.parametrize("model_type,extra", CASES, ids=[t + "-bias" * bool(x) for t, x in CASES])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "stock"])
+def test_the_stack_equals_transformers_forward_exactly(model_type, extra, packed):
+    model = tiny_model(model_type, **extra)
+    eng, ours = outputs(model, stack=True, packed=packed)
+    assert eng.stack is not None, f"{model_type} should run on the layer stack"
+    _, theirs = outputs(model, stack=False, packed=packed)
+    assert len(ours) == len(theirs) == 10
+    for (lo, ho), (lt, ht) in zip(ours, theirs):
+        assert torch.equal(lo, lt)
+        assert (ho is None) == (ht is None) and (ho is None or torch.equal(ho, ht))
+
+
+def test_the_stack_matches_the_eager_reference_model():
+    """Not only the hook's path: transformers' own eager attention, to float tolerance."""
+    model = tiny_model("qwen2")
+    ref = copy.deepcopy(model)
+    ref.config._attn_implementation = "eager"
+    eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
+    ws = eng.new_working_set()
+    s = seq(12)
+    (o,) = eng.forward([Pass(ws, s[:8], list(range(8)))])
+    (o2,) = eng.forward([Pass(ws, s[8:], list(range(4)))])
+    with torch.inference_mode():
+        want = ref(torch.tensor([s])).logits[0]
+    assert torch.allclose(torch.cat([o.logits, o2.logits]), want, atol=1e-4)
+
+
+def test_other_layers_run_transformers_forward():
+    model = tiny_model("qwen3")  # q_norm/k_norm: a layer the stack does not compute
+    assert LayerStack.of(model, None) is None
+    eng = Engine(model, TinyTokenizer(), name="t", kv_pages=32, page_size=4)
+    assert eng.stack is None
+    ws = eng.new_working_set()
+    (o,) = eng.forward([Pass(ws, seq(5), [4])])
+    assert o.logits.shape == (1, 97)
