@@ -20,7 +20,7 @@ def _limit(default, what: str, flag: str | None = None, unit: int = 1, kind=int)
 class Limits:
     memory_bytes: int = _limit(512 << 20, "guest linear memory, all memories of the store together "
                                "(componentize-py's CPython needs ~40 MiB)", "--memory-mb", 1 << 20)
-    cpu_time_s: float = _limit(60.0, "guest execution time plus the running time of its device loops "
+    cpu_time_s: float = _limit(60.0, "guest execution time plus its device loops' share of the steps they ran in "
                                "(not time blocked in other host calls)", "--cpu-time", kind=float)
     wall_time_s: float = _limit(600.0, "the whole run, from start to end; past it the run is cancelled",
                                 "--wall-time", kind=float)
