@@ -4,7 +4,8 @@
 
 Each case runs on both paths the engine has: transformers' forward and, where the architecture
 allows, the engine's own layer stack (host/engine/stack.py). Each case is one engine pass: a decode window of W rows over a --context-token prefix (all rows
-read out, fold 0, so the context stays the same), or a prefill of N prompt tokens into an empty
+read out, fold 0, so the context stays the same), --sets working sets decoding one row each in
+one batch (their contexts' pages interleaved, as concurrent clients' are), or a prefill of N prompt tokens into an empty
 working set. Its wall time is the median of --repeats plain runs; then one run under
 torch.profiler splits the operators' own time by kind:
 
@@ -56,6 +57,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--windows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--prefill", type=int, nargs="+", default=[256, 768])
     ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--sets", type=int, default=8, help="the batched-decode case: this many working sets, one row each")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--name", default="profile", help="results/NAME.json and .md")
     args = ap.parse_args(argv)
@@ -95,7 +97,7 @@ def _weight_bytes(engine) -> int:
 
 
 def _run(args) -> dict:
-    engine = store.open_engine(args.model, kv_pages=max(256, 2 * (args.context + max(args.prefill + [16])) // 16 + 64))
+    engine = store.open_engine(args.model, kv_pages=max(256, (args.sets + 2) * (args.context + max(args.prefill + [16])) // 16 + 64))
     stack = engine.stack
     paths = {"transformers": None, "stack": stack} if stack is not None else {"transformers": None}
     prefix = [(7 * i) % 1000 + 100 for i in range(max([args.context, *args.prefill]))]
@@ -103,6 +105,13 @@ def _run(args) -> dict:
     engine.forward([Pass(ws, prefix[:args.context], [0])])
     cases = {f"decode {w} row{'s' * (w > 1)}": (lambda w=w: [Pass(ws, prefix[:w], list(range(w)), fold=0)])
              for w in args.windows}
+    if args.sets > 1:
+        # their pages interleave, as concurrent clients' do: each context is gathered from the pool
+        sets = [engine.new_working_set() for _ in range(args.sets)]
+        for i in range(0, args.context, 16):
+            engine.forward([Pass(w, prefix[i:min(i + 16, args.context)], [0]) for w in sets])
+        cases[f"decode {args.sets} sets x 1 row"] = lambda: [Pass(w, prefix[:1], [0], fold=0) for w in sets]
+    keep = [ws, *sets] if args.sets > 1 else [ws]  # the decode cases' working sets stay
     for n in args.prefill:
         def fresh(n=n):
             p = engine.new_working_set()
@@ -116,7 +125,7 @@ def _run(args) -> dict:
         engine.forward(passes)
         dt = time.perf_counter() - t0
         for ps in passes:
-            if ps.ws is not ws:
+            if not any(ps.ws is k for k in keep):
                 engine.release(ps.ws)
         return dt
 
@@ -140,7 +149,7 @@ def _run(args) -> dict:
                 engine.forward(passes)
                 prof_wall = time.perf_counter() - t0
             for ps in passes:
-                if ps.ws is not ws:
+                if not any(ps.ws is k for k in keep):
                     engine.release(ps.ws)
             by_kind = dict.fromkeys([*KINDS, "other ops"], 0.0)
             for e in prof.key_averages():

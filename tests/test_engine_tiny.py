@@ -47,6 +47,22 @@ def test_mixed_batch_matches_transformers(tiny):
     assert torch.allclose(oc2.logits[0], ref_logits(ref, sc[:3] + [40])[-1], atol=TOL)
 
 
+def test_a_batch_of_equal_windows_matches_transformers(tiny):
+    """Equal windows over different contexts (batched decode, batched verification): the queries
+    are taken in place, without the padded gather."""
+    eng, ref = tiny
+    sets = [eng.new_working_set() for _ in range(3)]
+    prompts = [seq(5, 1), seq(11, 2), seq(2, 3)]
+    run(eng, *[Pass(ws, p, [0]) for ws, p in zip(sets, prompts)])
+    for window in ([40], [41, 42, 43]):
+        outs = run(eng, *[Pass(ws, window, list(range(len(window)))) for ws in sets])
+        for i, (o, p) in enumerate(zip(outs, prompts)):
+            prompts[i] = p + window
+            assert torch.allclose(o.logits, ref_logits(ref, prompts[i])[-len(window):], atol=TOL)
+    for ws in sets:
+        eng.release(ws)
+
+
 def test_readout_chooses_rows_and_hidden(tiny):
     eng, ref = tiny
     ws = eng.new_working_set()

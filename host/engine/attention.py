@@ -23,10 +23,13 @@ class Group:
     rows: torch.Tensor | None  # flat rows of the group's real queries, in order; None: the whole batch
     ctx_slots: torch.Tensor | None  # [B, Lmax] pool slots of each pass's context (padded)
     ctx_range: tuple[int, int] | None  # one pass whose context is one run of slots: a view, no gather
-    q_index: torch.Tensor | None  # [B, Wmax] flat row of each padded query; None: the batch's own order
+    q_index: torch.Tensor | None  # [B, Wmax] flat row of each padded query; None when `uniform`
     q_valid: torch.Tensor | None  # [B*Wmax] which padded queries are real rows
     mask: torch.Tensor | None  # [B, 1, Wmax, Lmax] bool; None for a single one-row pass or a causal one
     causal: bool = False  # one pass over an empty context: SDPA's own causal mask, which skips the masked half
+    # the whole batch, every window this many rows long (a lone pass, or a batch of decode rows):
+    # the queries are the batch's rows in order, so they need no gather and no padding
+    uniform: int | None = None
 
 
 @dataclass
@@ -58,7 +61,8 @@ def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], le
         # key j is visible to window row i iff j <= frozen + i (causal), and j is a real row
         mask = (kj[None, None, :] <= fz[:, None, None] + qi[None, :, None]) & (kj[None, None, :] < cl[:, None, None])
         mask = mask.unsqueeze(1)
-    if not whole or b > 1:
+    uniform = wmax if whole and min(windows) == wmax else None
+    if uniform is None:
         wl = torch.tensor(windows, device=dev)
         st = torch.tensor(starts, device=dev)
         qi = torch.arange(wmax, device=dev)
@@ -67,7 +71,7 @@ def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], le
         q_valid = valid.flatten()
         if not whole:
             rows = q_index.flatten()[q_valid]
-    return Group(rows, ctx_t, ctx_range, q_index, q_valid, mask, causal)
+    return Group(rows, ctx_t, ctx_range, q_index, q_valid, mask, causal, uniform)
 
 
 def _attend(g: Group, pool_k, pool_v, query, scaling):
@@ -81,13 +85,21 @@ def _attend(g: Group, pool_k, pool_v, query, scaling):
         flat = g.ctx_slots.view(-1)
         k = pool_k.index_select(1, flat).view(shape).transpose(0, 1)  # [B, kv_heads, L, D]
         v = pool_v.index_select(1, flat).view(shape).transpose(0, 1)
-    q = query if g.q_index is None else query[0][:, g.q_index].transpose(0, 1)  # [B, heads, Wmax, D]
+    lone = g.uniform == query.shape[2]  # one pass: the query is already [1, H, W, D]
+    if lone:
+        q = query
+    elif g.uniform is not None:  # [1, H, B*W, D] -> [B, H, W, D]: a view
+        q = query[0].unflatten(1, (-1, g.uniform)).transpose(0, 1)
+    else:
+        q = query[0][:, g.q_index].transpose(0, 1)  # [B, heads, Wmax, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, is_causal=g.causal, scale=scaling,
                                          enable_gqa=q.shape[1] != k.shape[1])
-    if g.q_index is not None:
-        # [B, H, Wmax, D] -> the real rows, in flat order -> [1, H, rows, D]
-        out = out.transpose(0, 1).flatten(1, 2)[:, g.q_valid].unsqueeze(0)
-    return out
+    if lone:
+        return out
+    if g.uniform is not None:
+        return out.transpose(0, 1).flatten(1, 2).unsqueeze(0)
+    # [B, H, Wmax, D] -> the real rows, in flat order -> [1, H, rows, D]
+    return out.transpose(0, 1).flatten(1, 2)[:, g.q_valid].unsqueeze(0)
 
 
 def attend(meta: BatchMeta, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
