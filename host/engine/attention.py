@@ -30,6 +30,9 @@ class Group:
     # the whole batch, every window this many rows long (a lone pass, or a batch of decode rows):
     # the queries are the batch's rows in order, so they need no gather and no padding
     uniform: int | None = None
+    # rows of the layer's pool, viewed [2 * kv_heads * slots, D], that hold the contexts' K and V:
+    # made by the first layer, used by all (one gather along dim 0, which torch runs on every core)
+    kv_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,17 +77,19 @@ def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], le
     return Group(rows, ctx_t, ctx_range, q_index, q_valid, mask, causal, uniform)
 
 
-def _attend(g: Group, pool_k, pool_v, query, scaling):
+def _attend(g: Group, kv, query, scaling):
+    """kv: the layer's pool, [2, kv_heads, slots, D]."""
     if g.ctx_range is not None:
         a, b = g.ctx_range
-        k = pool_k[:, a:b].unsqueeze(0)  # [1, kv_heads, L, D]
-        v = pool_v[:, a:b].unsqueeze(0)
+        k = kv[0, :, a:b].unsqueeze(0)  # [1, kv_heads, L, D]
+        v = kv[1, :, a:b].unsqueeze(0)
     else:
+        two, heads, slots, d = kv.shape
         b, n = g.ctx_slots.shape
-        shape = (pool_k.shape[0], b, n, pool_k.shape[2])  # [kv_heads, B, L, D]
-        flat = g.ctx_slots.view(-1)
-        k = pool_k.index_select(1, flat).view(shape).transpose(0, 1)  # [B, kv_heads, L, D]
-        v = pool_v.index_select(1, flat).view(shape).transpose(0, 1)
+        if g.kv_rows is None:
+            g.kv_rows = (torch.arange(two * heads, device=kv.device)[:, None] * slots + g.ctx_slots.view(1, -1)).view(-1)
+        both = kv.view(-1, d).index_select(0, g.kv_rows).view(two, heads, b, n, d)
+        k, v = both[0].transpose(0, 1), both[1].transpose(0, 1)  # [B, kv_heads, L, D]
     lone = g.uniform == query.shape[2]  # one pass: the query is already [1, H, W, D]
     if lone:
         q = query
@@ -107,14 +112,14 @@ def attend(meta: BatchMeta, layer: int, query: torch.Tensor, key: torch.Tensor, 
     """Write the batch's new K/V rows into `layer`'s pool and attend its queries.
     query: [1, heads, T, head_dim]; key, value: [T, kv_heads, head_dim], the batch's rows in
     order. Returns [1, heads, T, head_dim]. Shared by the hook below and the layer stack."""
-    pool_k, pool_v = meta.kv[layer, 0], meta.kv[layer, 1]  # [kv_heads, slots, D]
-    pool_k.index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
-    pool_v.index_copy_(1, meta.slot_mapping, value.transpose(0, 1))
+    kv = meta.kv[layer]  # [2, kv_heads, slots, D]
+    kv[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
+    kv[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1))
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(meta.groups[0], pool_k, pool_v, query, scaling)
+        return _attend(meta.groups[0], kv, query, scaling)
     out = query.new_empty(query.shape)
     for g in meta.groups:
-        out[:, :, g.rows] = _attend(g, pool_k, pool_v, query, scaling)
+        out[:, :, g.rows] = _attend(g, kv, query, scaling)
     return out
 
 
