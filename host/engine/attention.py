@@ -1,9 +1,9 @@
-"""The engine's attention hook, registered with transformers' attention interface.
+"""The engine's paged attention: `attend`, which the layer stack (stack.py) calls, and the hook
+registered with transformers' attention interface for the layers transformers runs itself.
 
-transformers runs its own model code (projections, RoPE, MLP); this function replaces only
-the attention core: it writes the batch's new K/V rows into the paged pool and attends each
-pass's queries to that pass's frozen rows plus its own window (causally). Rows past a
-working set's frozen end from earlier passes are never in the context.
+Either way only the attention core is replaced: it writes the batch's new K/V rows into the
+paged pool and attends each pass's queries to that pass's frozen rows plus its own window
+(causally). Rows past a working set's frozen end from earlier passes are never in the context.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class BatchMeta:
     """Index tensors for one ragged batch, shared by every layer."""
 
     kv: torch.Tensor  # [layers, 2, kv_heads, slots, head_dim]: the whole pool (head-major: each head's
-    # keys lie in one run, which a decode row's attention over a long context reads ~1.5x faster)
+    # keys lie in one run, which a decode row's attention over a long context reads faster)
     slot_mapping: torch.Tensor  # [T] pool slot of each new row
     groups: list[Group]
 

@@ -1,10 +1,11 @@
 """The decoder's layer stack run directly over transformers' modules, for the common layer.
 
-A one-row pass through transformers' own forward spends a third of its time outside the
-matrix products, in some 75 operator calls and a dozen module calls per layer (profile with
-`python -m bench.profile`). For the Llama layer (Llama, Mistral, Qwen2) this loop does the
-same arithmetic with about 20 operators per layer: q/k/v and gate/up come from one product
-each (linear.py), RoPE rotates q and k together, and no module machinery runs between them.
+A decode pass through transformers' own forward makes some 75 operator calls and a dozen
+module calls per layer besides its matrix products, and on the CPU their cost is a large part
+of the pass (`python -m bench.profile` splits it). For the Llama layer (Llama, Mistral, Qwen2)
+this loop does the same arithmetic with about 20 operators per layer: q/k/v and gate/up come
+from one product each (linear.py), RoPE rotates q and k together, and no module machinery
+runs between them.
 It reads every weight, norm epsilon and rotary table from the loaded transformers model, so it
 holds no copy of the model. Each operator computes what transformers' code computes, in the
 same order: `tests/test_engine_stack.py` checks the logits are bit-identical on tiny random
