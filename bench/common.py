@@ -76,3 +76,27 @@ def write(name: str, data: dict, markdown: str) -> Path:
     path.write_text(json.dumps(data, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown + "\n")
     return path
+
+
+def bar_chart(name: str, groups: list[str], series: dict[str, list[float]], ylabel: str, *,
+              title: str | None = None, width_in: float = 10, rotation: int = 0) -> None:
+    """results/NAME.png: one bar per series in each group, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(width_in, 4.5))
+    width = 0.8 / max(len(series), 1)
+    for j, (label, vals) in enumerate(series.items()):
+        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=rotation,
+                  ha="right" if rotation else "center")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
+    plt.close(fig)

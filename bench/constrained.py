@@ -27,7 +27,7 @@ import torch
 
 from host import store
 
-from .common import chat_ids, geomean, load_hf, machine, on_compute, table, write, RESULTS
+from .common import bar_chart, chat_ids, geomean, load_hf, machine, on_compute, table, write
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschema-dev.jsonl"
 OURS = ("constrained-plain", "constrained-spec")
@@ -212,24 +212,11 @@ def report(per_schema: list[dict], engine, n: int, args) -> dict:
 
 
 def chart(per_schema, sets) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(CONTENDERS)
     groups = [*sets, "ALL"]
-    for j, c in enumerate(CONTENDERS):
-        vals = [statistics.median(r[c]["tps"] for r in per_schema if g == "ALL" or r["set"] == g) for g in groups]
-        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=c)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=20, ha="right")
-    ax.set_ylabel("tokens/s (median)")
-    ax.set_title("JSON-schema-constrained decoding")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "constrained.png", dpi=100)
-    plt.close(fig)
+    bar_chart("constrained", groups,
+              {c: [statistics.median(r[c]["tps"] for r in per_schema if g == "ALL" or r["set"] == g) for g in groups]
+               for c in CONTENDERS},
+              "tokens/s (median)", title="JSON-schema-constrained decoding", width_in=9, rotation=20)
 
 
 if __name__ == "__main__":

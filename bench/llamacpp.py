@@ -33,7 +33,7 @@ from pathlib import Path
 
 from host import store
 
-from .common import RESULTS, ROOT, chat_ids, geomean, load_prompts, machine, table, write
+from .common import ROOT, bar_chart, chat_ids, geomean, load_prompts, machine, table, write
 
 IDS = [81, 91, 101, 111, 121, 241, 321, 401]  # issue 23's prompts: every category, one long prompt (241)
 OURS = {"text-completion": "text-completion", "cacheback-speculative-decoding": "cacheback-speculative-decoding"}
@@ -231,22 +231,8 @@ def main(argv=None) -> dict:
 
 
 def chart(per_prompt, contenders) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(contenders)
-    for j, c in enumerate(contenders):
-        ax.bar([i + j * width for i in range(len(per_prompt))], [r[c]["tps"] for r in per_prompt], width, label=c)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(per_prompt))],
-                  [f"{r['id']}\n({r['prompt_tokens']} tok)" for r in per_prompt])
-    ax.set_ylabel("tokens/s (whole request)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "llamacpp.png", dpi=100)
-    plt.close(fig)
+    bar_chart("llamacpp", [f"{r['id']}\n({r['prompt_tokens']} tok)" for r in per_prompt],
+              {c: [r[c]["tps"] for r in per_prompt] for c in contenders}, "tokens/s (whole request)")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ read once per pass over the products' time. Writes JSON and a table to results/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -118,12 +119,14 @@ def _run(args) -> dict:
             return [Pass(p, prefix[:n], [n - 1])]
         cases[f"prefill {n}"] = fresh
 
-    def once(make, path):
+    def once(make, path, around=None):
+        """One case's pass on one path (inside `around`, a profiler, if given): its wall time."""
         engine.stack = paths[path]
         passes = make()
-        t0 = time.perf_counter()
-        engine.forward(passes)
-        dt = time.perf_counter() - t0
+        with around or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            engine.forward(passes)
+            dt = time.perf_counter() - t0
         for ps in passes:
             if not any(ps.ws is k for k in keep):
                 engine.release(ps.ws)
@@ -142,15 +145,8 @@ def _run(args) -> dict:
     rows = []
     for c, make in cases.items():
         for path in paths:
-            engine.stack = paths[path]
-            passes = make()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                t0 = time.perf_counter()
-                engine.forward(passes)
-                prof_wall = time.perf_counter() - t0
-            for ps in passes:
-                if not any(ps.ws is k for k in keep):
-                    engine.release(ps.ws)
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof_wall = once(make, path, prof)
             by_kind = dict.fromkeys([*KINDS, "other ops"], 0.0)
             for e in prof.key_averages():
                 if _is_op(e.key):
