@@ -9,7 +9,7 @@ import torch
 
 from host.drafter import train as T
 from host.drafter.mtp import load_head
-from host.drafter.prompts import is_validation, training_prompts
+from host.drafter.prompts import context_prompts, is_validation, training_prompts
 
 
 @pytest.fixture
@@ -44,6 +44,21 @@ def test_prompt_set_is_deterministic_and_diverse():
     assert sum(is_validation(i) for i in range(100)) == 10
 
 
+def test_context_prompts_keep_the_split_apart():
+    """Second-round prompts embed first-round replies; a held-apart reply only ever appears in a
+    held-apart prompt, and the same inputs give the same prompts."""
+    passages = [(i, f"reply-{i} is {'held apart' if is_validation(i) else 'trained on'}.") for i in range(40)]
+    a = context_prompts(passages, 40, 200, seed=3)
+    assert a == context_prompts(passages, 40, 200, seed=3) and len(a) == 200
+    assert a != context_prompts(passages, 40, 200, seed=4)
+    for j, p in enumerate(a):
+        held = is_validation(40 + j)
+        assert ("held apart" in p) == held and ("trained on" in p) == (not held), p
+    assert any("Document 2:" in p or "Text B:" in p or "Passage 2:" in p for p in a)  # two passages now and then
+    with pytest.raises(ValueError, match="no first-round replies"):
+        context_prompts([(0, "only a training reply")], 9, 1)
+
+
 def test_chain_mask():
     m = T._chain_mask(3, 2, "cpu")[0, 0]
     assert m.tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]]
@@ -69,7 +84,10 @@ def test_inline_features_match_a_forward(tmp_path, target):
 def test_train_tiny_head(tmp_path, monkeypatch, target):
     monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
     model, tok = target
-    res = T.train(model, tok, _cfg(tmp_path), prompts=PROMPTS)
+    res = T.train(model, tok, _cfg(tmp_path, context_share=0.4), prompts=PROMPTS)
+    rounds = res["recipe"]["data"]["rounds"]
+    assert rounds["first"]["sequences"] > 0 and rounds["second"]["sequences"] > 0  # tasks over its own replies
+    assert (tmp_path / "work" / "gen-context").is_dir()
     out = tmp_path / "out"
     for f in ("head.safetensors", "drafter.json", "training.png", "RECIPE.md"):
         assert (out / f).exists(), f

@@ -265,3 +265,59 @@ def training_prompts(seed: int = 0) -> list[str]:
 def is_validation(index: int, every: int = 10) -> bool:
     """The held-apart split, by prompt: every `every`-th prompt of the list."""
     return index % every == every - 1
+
+
+# ---- the second round: tasks over the target's own text ---------------------------------
+# Summarising, translating, extracting and answering from a given text mostly copy from it. A head
+# trained only on free replies never learns to copy, so a second round gives the target passages to
+# work on: its own first-round replies (no outside text), one or two per prompt.
+
+CONTEXT_TEMPLATES = [
+    "Summarize the following text in two sentences.\n\n{p}",
+    "Summarize: {p}",
+    "Write a one-paragraph summary of this article:\n\n{p}",
+    "Translate the following text into French:\n\n{p}",
+    "Translate into German: {p}",
+    "Translate this text into Spanish.\n\n{p}",
+    "Extract the key facts from this text as a bulleted list.\n\n{p}",
+    "List every name, number and technical term that appears in the text below.\n\n{p}",
+    "Read the passage and answer: what is its main point?\n\nPassage: {p}",
+    "Answer using only the information in the context.\nContext: {p}\nQuestion: What are the two most important details mentioned?",
+    "Rewrite the following text in a more formal tone:\n\n{p}",
+    "Rewrite this for a ten-year-old reader:\n\n{p}",
+    "Give this text a title, then a one-sentence summary.\n\n{p}",
+    "Here is a draft. Improve its wording without changing its meaning.\n\n{p}",
+    "Based on the following notes, write a short email to a colleague.\n\nNotes: {p}",
+    "Turn this text into three quiz questions with answers.\n\n{p}",
+    "Rate how clear the following text is on a scale of 1 to 5 and explain your rating.\n\n{p}",
+    "Continue this text for one more paragraph.\n\n{p}",
+    "Quote the sentence from this text that best states its main idea, then explain why.\n\n{p}",
+    "Convert the following text into a JSON object with the keys \"topic\", \"summary\" and \"keywords\".\n\n{p}",
+]
+CONTEXT2_TEMPLATES = [
+    "Use the two documents below to answer the question.\n\nDocument 1: {p}\n\nDocument 2: {q}\n\n"
+    "Question: What do these documents have in common?",
+    "Compare the following two texts and say which one is easier to read.\n\nText A: {p}\n\nText B: {q}",
+    "Summarize both passages in one paragraph.\n\nPassage 1: {p}\n\nPassage 2: {q}",
+]
+
+
+def context_prompts(passages: list[tuple[int, str]], first_index: int, count: int, seed: int = 0,
+                    every: int = 10) -> list[str]:
+    """`count` second-round prompts, numbered from `first_index` on, over first-round replies
+    (index, text). Prompt i uses only passages from the same split as itself (is_validation), so
+    a held-apart reply never appears in a training sequence. Deterministic in its arguments."""
+    rng = random.Random(seed * 7_919 + 17)
+    split = {True: [t for i, t in passages if is_validation(i, every)],
+             False: [t for i, t in passages if not is_validation(i, every)]}
+    out = []
+    for j in range(count):
+        pool = split[is_validation(first_index + j, every)]
+        if not pool:
+            raise ValueError("no first-round replies in one of the splits to build second-round prompts from")
+        if j % 8 == 7 and len(pool) > 1:
+            a, b = rng.sample(pool, 2)
+            out.append(rng.choice(CONTEXT2_TEMPLATES).format(p=a, q=b))
+        else:
+            out.append(rng.choice(CONTEXT_TEMPLATES).format(p=rng.choice(pool)))
+    return out

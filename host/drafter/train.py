@@ -1,7 +1,9 @@
 """Self-distil an MTP draft head for a target that has none (`pie drafter train`).
 
 The data is the target's own: it answers a fixed prompt set (`prompts.training_prompts`) under its
-chat template, and one forward of the target (in its own dtype) over each prompt + reply records,
+chat template, then, if `context_share` > 0, in a second round tasks over its own first-round
+replies (summarise, translate, extract, answer from a passage: `prompts.context_prompts`, that
+share of the token budget), and one forward of the target (in its own dtype) over each prompt + reply records,
 at every row j, the hidden state h_j before the final norm and the target's argmax c_j. The head
 learns, for row j,
 
@@ -16,7 +18,7 @@ frequent target choices; a label outside it is ignored in the loss and counted a
 validation figures), only on reply rows (j >= prompt length - 1, where drafting happens).
 
 Stages, each cached in the work folder so that a re-run skips what is done and `resume` continues:
-  gen/shard_NNNN.pt    the generated token sequences (generation may run in bfloat16: much faster
+  gen/shard_NNNN.pt    the generated token sequences, gen-context/ the second round's (generation may run in bfloat16: much faster
                        on CPU; the features and labels below always come from the target's dtype)
   feat/shard_NNNN.pt   per sequence: tokens, prompt length, h (bfloat16) and the argmax choices
   ckpt.pt              the head, optimizer, schedule, step and history (every `ckpt_every` steps)
@@ -25,6 +27,7 @@ Stages, each cached in the work folder so that a re-run skips what is done and `
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -51,6 +54,9 @@ class TrainConfig:
     out: Path | None = None  # default $PIE_HOME/drafters/<name>
     work_dir: Path | None = None  # default <out>.work
     tokens: int = 200_000  # generated reply tokens (train + validation) to collect
+    # of those, generated in a second round (tasks over the first round's replies); 0: none. The
+    # shipped head was trained without it: with 0.4 the dev acceptance stayed the same (its RECIPE.md)
+    context_share: float = 0.0
     max_new_tokens: int = 192
     gen_batch: int = 128
     gen_dtype: str = "bfloat16"  # the dtype replies are generated in ("auto" = the target's dtype)
@@ -143,10 +149,12 @@ class _ArgmaxRecorder:
 
 
 @torch.inference_mode()
-def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path) -> list[dict]:
+def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, folder: str = "gen",
+             first_index: int = 0) -> list[dict]:
     """The target's replies, in shards of `gen_batch` prompts, until `tokens` reply tokens are
-    collected; existing shards are reused (a different generation setting needs a fresh work folder)."""
-    gdir = work / "gen"
+    collected; existing shards are reused (a different generation setting needs a fresh work folder).
+    Prompt i gets prompt_index first_index + i."""
+    gdir = work / folder
     gdir.mkdir(parents=True, exist_ok=True)
     meta = _gen_meta(cfg, prompts)
     mfile = gdir / "meta.json"
@@ -196,7 +204,7 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path) -> l
                 if t in eos:
                     reply = reply[:j + 1]
                     break
-            q = {"prompt_index": i, "ids": enc[b] + reply, "prompt_len": len(enc[b]), "sampled": sample}
+            q = {"prompt_index": first_index + i, "ids": enc[b] + reply, "prompt_len": len(enc[b]), "sampled": sample}
             if inline:  # h of rows 0..L-2 (prefill, then one row per decode step); c_j for j >= P-1
                 P, n, o = len(enc[b]), len(reply), T - len(enc[b])
                 h = torch.cat([hs[0][b, o:]] + [x[b] for x in hs[1:n]]).to(torch.bfloat16).clone()
@@ -484,7 +492,7 @@ def _plot(history: dict, path: Path) -> None:
 
 def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> dict:
     """Generate, capture, train and save a head for `target` (a transformers causal LM, eval mode)."""
-    from .prompts import is_validation, training_prompts
+    from .prompts import context_prompts, is_validation, training_prompts
 
     t0 = time.time()
     cfg = cfg.resolved()
@@ -497,10 +505,25 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
         p.requires_grad_(False)
 
     tg = time.time()
-    seqs = generate(target, tok, prompts, cfg, work)
+    second = round(cfg.tokens * cfg.context_share)
+    seqs = generate(target, tok, prompts, dataclasses.replace(cfg, tokens=cfg.tokens - second), work)
+    rounds = {"first": {"sequences": len(seqs), "reply_tokens": sum(len(q["ids"]) - q["prompt_len"] for q in seqs)}}
+    if second:
+        shortest = min(40, cfg.max_new_tokens // 2)  # a passage worth working on
+        passages = [(q["prompt_index"], text) for q in seqs if len(q["ids"]) - q["prompt_len"] >= shortest
+                    for text in [tok.decode(list(q["ids"][q["prompt_len"]:]), skip_special_tokens=True).strip()]
+                    if text]
+        ctx = context_prompts(passages, len(prompts), len(prompts), cfg.seed, cfg.val_every)
+        more = generate(target, tok, ctx, dataclasses.replace(cfg, tokens=second), work, "gen-context", len(prompts))
+        rounds["second"] = {"sequences": len(more), "reply_tokens": sum(len(q["ids"]) - q["prompt_len"] for q in more),
+                            "prompt_tokens": sum(q["prompt_len"] for q in more)}
+        seqs += more
     t_gen_run = time.time() - tg
-    shard_s = json.loads((work / "gen" / "seconds.json").read_text()) if (work / "gen" / "seconds.json").exists() else {}
-    t_gen = sum(shard_s.get(str(k), 0.0) for k in range(len(_shards(work / "gen"))))
+    t_gen = 0.0
+    for folder in ("gen", "gen-context"):
+        f = work / folder / "seconds.json"
+        shard_s = json.loads(f.read_text()) if f.exists() else {}
+        t_gen += sum(shard_s.get(str(k), 0.0) for k in range(len(_shards(work / folder))))
     tc, t_cap = time.time(), 0.0
     if cfg.features == "forward":
         seqs = capture(target, seqs, cfg, work)
@@ -514,7 +537,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     vmap = torch.full((V,), IGNORE, dtype=torch.long)
     vmap[dv] = torch.arange(len(dv))
     reply_tokens = sum(len(q["ids"]) - q["prompt_len"] for q in seqs)
-    data = {"prompts_train": len(trn), "prompts_val": len(val), "reply_tokens": reply_tokens,
+    data = {"prompts_train": len(trn), "prompts_val": len(val), "reply_tokens": reply_tokens, "rounds": rounds,
             "rows_total": sum(len(q["ids"]) - 1 for q in seqs),
             "train_rows": sum(len(q["ids"]) - q["prompt_len"] for q in trn),
             "val_rows": sum(len(q["ids"]) - q["prompt_len"] for q in val),
@@ -610,8 +633,10 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     recipe = {
         "method": "self-distillation (target's own replies, its argmax choices as labels)",
         "command": cfg.command,
-        "prompts": "host.drafter.prompts.training_prompts(seed) (topics x tasks, code, math, stories, dialogue, rewrite, questions)",
-        "seed": cfg.seed, "tokens_budget": cfg.tokens, "max_new_tokens": cfg.max_new_tokens, "features": cfg.features,
+        "prompts": "host.drafter.prompts.training_prompts(seed) (topics x tasks, code, math, stories, dialogue, rewrite, "
+                   "questions)" + (", then context_prompts over the first round's replies (summarise, translate, "
+                                   "extract, answer from one or two passages)" if cfg.context_share else ""),
+        "seed": cfg.seed, "tokens_budget": cfg.tokens, "context_share": cfg.context_share, "max_new_tokens": cfg.max_new_tokens, "features": cfg.features,
         "generation": {"batch": cfg.gen_batch, "dtype": cfg.gen_dtype, "greedy_except_every": cfg.sample_every,
                        "temperature": cfg.temperature, "chat_template": bool(getattr(tok, "chat_template", None))},
         "data": data, "validation_split": f"every {cfg.val_every}th prompt",
@@ -665,6 +690,8 @@ def _recipe_md(name: str, r: dict) -> str:
              "from one more forward of the target in its own dtype")
     sampled = f"every {g['greedy_except_every']}th batch sampled at temperature {g['temperature']}, the rest greedy" \
         if g["greedy_except_every"] else "all greedy"
+    second = (f", a share of {r['context_share']} of them in the second round (rounds: {json.dumps(d['rounds'])})"
+              if r.get("context_share") else "")
     return f"""# {name}: a self-distilled MTP draft head
 
 Made by
@@ -675,7 +702,7 @@ Data (seed {r['seed']}):
 
 - Prompts: {r['prompts']}; every {r['validation_split'].split()[1]} prompt held apart for validation.
 - The target answered each prompt under its chat template: up to {r['max_new_tokens']} new tokens, batches of
-  {g['batch']} prompts, in {g['dtype']}; {sampled}; until {r['tokens_budget']} reply tokens.
+  {g['batch']} prompts, in {g['dtype']}; {sampled}; until {r['tokens_budget']} reply tokens{second}.
 - {d['prompts_train']} training / {d['prompts_val']} validation replies, {d['reply_tokens']} reply tokens
   ({d['train_rows']} training rows, {d['val_rows']} validation rows; {d['rows_total']} rows with the prompts as context).
 - Features: h (the target's last hidden state before its final norm, stored in bfloat16) and the target's

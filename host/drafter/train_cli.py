@@ -22,6 +22,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", type=Path,
                    help="cache of replies, features and checkpoints (default: NAME.work next to --out)")
     p.add_argument("--tokens", type=int, default=d.tokens, help=f"reply tokens to generate (default {d.tokens})")
+    p.add_argument("--context-share", type=float, default=d.context_share,
+                   help=f"share of --tokens generated in the second round, tasks over the first round's replies "
+                        f"(summarise, translate, extract...; 0: none; default {d.context_share})")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help=f"longest reply per prompt (default {d.max_new_tokens})")
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the training replies (default {d.epochs})")
@@ -69,6 +72,7 @@ def run(args) -> int:
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg = TrainConfig(name=args.name, out=args.out, work_dir=args.work_dir, tokens=args.tokens,
+                      context_share=args.context_share,
                       max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
                       seed=args.seed, batch=args.batch, gen_batch=args.gen_batch, gen_dtype=args.gen_dtype,
                       unroll=args.unroll, features=args.features, init=args.init, autocast=not args.no_autocast, resume=args.resume,
