@@ -177,6 +177,16 @@ def test_a_device_loop_is_charged_to_the_cpu_time_budget(tiny_runtime, tiny):
 
 
 @pytest.mark.wasm
+def test_the_cpu_time_budget_charges_the_guest_thread_cpu_not_its_sleep(tiny_runtime):
+    """A guest asleep for 1.5 s (WASI clocks) under a 0.5 s CPU-time budget finishes; one that
+    spins is stopped. Time a guest sleeps, or waits for a core on a loaded machine, is not CPU."""
+    r = finished(misbehave(tiny_runtime, "sleep", cpu_time_s=0.5))
+    assert r.ok and r.text == "slept" and r.stats["wall_s"] >= 1.5, (r.error, r.stats)
+    r = finished(misbehave(tiny_runtime, "loop", cpu_time_s=0.5))
+    assert not r.ok and "CPU-time limit of 0.5 s" in r.error, r.error
+
+
+@pytest.mark.wasm
 @pytest.mark.parametrize("mode", ["endless-loop", "loop"])  # blocked on its loop; spinning in the guest
 def test_a_running_instance_can_be_cancelled(tiny_runtime, tiny, mode):
     started = threading.Event()

@@ -41,6 +41,10 @@ from .limits import Limits, flag
 from .sampling import Sampler, greedy
 from .wasmtime_threads import install as _install_per_thread_lowering
 
+# The guest's CPU-time budget reads its own thread's CPU clock: the guest runs on the instance's
+# thread, so time it sleeps (WASI clocks) or waits for a core under load is not charged
+_guest_clock = time.thread_time
+
 _install_per_thread_lowering()
 
 PACKAGE = f"{WIT_PACKAGE}/{{}}@{VERSION}"
@@ -150,7 +154,7 @@ class InstanceHost:
         self.loops: list[DeviceLoop] = []
         self.guest_time_s = 0.0
         self.loop_time_s = 0.0  # running time of the device loops, charged to the CPU-time budget
-        self._last_exit = time.perf_counter()
+        self._last_exit = 0.0  # the guest's thread clock, set on its thread (watch_epochs)
         self._epoch_key = None
 
     # ---- handles ---------------------------------------------------------------------
@@ -214,11 +218,15 @@ class InstanceHost:
         # no finalizer: release_all forgets the key (a C callback at store drop could run at shutdown)
         ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _on_deadline, self._epoch_key, _NO_FINALIZER)
         store.set_epoch_deadline(1)
-        self._last_exit = time.perf_counter()  # guest time starts here, not when the component was compiled
+        self._last_exit = _guest_clock()  # guest time starts here, not when the component was compiled
+
+    def start_guest_clock(self) -> None:
+        """Called on the instance's thread right before the guest's `run`: guest time counts from here."""
+        self._last_exit = _guest_clock()
 
     def _on_epoch(self) -> int | str:
         """Ticks until the next check, or why the guest must stop (wasmtime traps with it)."""
-        now = time.perf_counter()
+        now = _guest_clock()
         self.guest_time_s += now - self._last_exit
         self._last_exit = now
         if self._over_cpu():
@@ -236,7 +244,7 @@ class InstanceHost:
         """Wrap `fn` as the host function `name`: count the call, map errors, keep the CPU-time budget.
         tagged: see TAGGED."""
         def host(store, *args):
-            enter = time.perf_counter()
+            enter = _guest_clock()
             self.guest_time_s += enter - self._last_exit
             self.guest_calls += 1
             try:
@@ -260,7 +268,7 @@ class InstanceHost:
                 self.fatal_trace = traceback.format_exc()
                 raise wasmtime.WasmtimeError(self.fatal) from None
             finally:
-                self._last_exit = time.perf_counter()
+                self._last_exit = _guest_clock()
                 # the CPU-time budget counts guest execution (and loops), not time blocked in the host
                 ffi.wasmtime_context_set_epoch_deadline(store._context(), self._ticks_left())
 

@@ -239,7 +239,7 @@ class Runtime:
         run = instance.get_func(store, "run")
         if run is None:
             raise InferletError("the component exports no `run` function; is it built for the pie:inferlet world?")
-        host._last_exit = time.perf_counter()
+        host.start_guest_clock()
         result = run(store)
         if result is not None:
             raise InferletError(str(result))

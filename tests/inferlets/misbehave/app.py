@@ -14,6 +14,12 @@ def run(mode: str) -> None:
         n = 0
         while True:
             n += 1
+    if mode == "sleep":  # asleep on the WASI clock, then a little work: not CPU time
+        import time
+
+        time.sleep(1.5)
+        send("slept")
+        return
     if mode == "alloc":
         hoard = []
         while True:
