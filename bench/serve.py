@@ -1,7 +1,7 @@
 """`pie serve` under concurrent streaming chat clients, against HF `generate` one request at a time.
 
     python -m bench.serve [--levels 1,4,8,16] [--prompts 16] [--requests 32] [--max-tokens 96]
-                          [--dtype auto] [--inferlet text-completion] [--quick]
+                          [--rounds 3] [--dtype auto] [--inferlet text-completion] [--quick]
 
 Starts `pie serve` in a subprocess (so the clients do not share its interpreter), then for each
 level sends the same requests (the first --prompts dev prompts in the chat template, cycled to
@@ -9,9 +9,12 @@ level sends the same requests (the first --prompts dev prompts in the chat templ
 Per level: aggregate tokens/s (completion tokens over the level's wall time), time to first token
 and inter-token latency (the gap between successive content chunks, as vLLM's benchmark_serving
 measures it) at p50 and p90, requests lost (an error or a missing [DONE]) and mixed up (text unlike
-the same prompt's at level 1, where each request ran alone). The server then stops and HF `generate`
+the same prompt's at level 1, where each request ran alone). The levels run --rounds times,
+interleaved (1, 4, 8, 16, 1, 4, ...), since a shared machine's speed drifts by more than the
+differences measured: a level's figures pool its rounds, and its ratio to one client is the median
+of each round's ratio to that round's own 1-client run. The server then stops and HF `generate`
 runs the same requests one at a time, with a streamer timing each token. Writes
-results/serve.{json,md,png}. --quick: 8 prompts, 16 requests, 32 tokens.
+results/serve.{json,md,png}. --quick: 8 prompts, 16 requests, 32 tokens, 1 round.
 """
 
 from __future__ import annotations
@@ -234,10 +237,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--inferlet", default="text-completion", help="pie serve --default-inferlet")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
-    ap.add_argument("--quick", action="store_true", help="8 prompts, 16 requests, 32 tokens")
+    ap.add_argument("--rounds", type=int, default=3, help="times every level runs, interleaved (default 3)")
+    ap.add_argument("--quick", action="store_true", help="8 prompts, 16 requests, 32 tokens, 1 round")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.requests, args.max_tokens = 8, 16, 32
+        args.prompts, args.requests, args.max_tokens, args.rounds = 8, 16, 32, 1
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     levels = sorted({1, *(int(x) for x in args.levels.split(","))})
     rows = load_prompts(args.prompts)
     prompts = [r["prompt"] for r in rows]
@@ -246,14 +252,27 @@ def main(argv=None) -> dict:
     server = Server(args, levels[-1])
     try:
         run_level(server.url, server.model, prompts, order[:2], 1, 4)  # warm-up: compiled components, caches
-        per_level, alone = {}, None
+        alone = None
+        pooled: dict[int, list[Sample]] = {c: [] for c in levels}
+        walls = {c: 0.0 for c in levels}
+        rates: dict[int, list[float]] = {c: [] for c in levels}  # tokens/s of each round
+        for r in range(args.rounds):
+            for c in levels:
+                samples, wall = run_level(server.url, server.model, prompts, order, c, args.max_tokens)
+                if alone is None:  # level 1 of round 1: each request ran alone
+                    alone = {s.prompt: s.text for s in samples if s.error is None}
+                one_round = summarize(samples, wall, alone)
+                pooled[c] += samples
+                walls[c] += wall
+                rates[c].append(one_round["tokens_per_s"])
+                print(f"round {r + 1}, {c:>3} clients: {one_round['tokens_per_s']:.1f} tok/s, "
+                      f"lost {one_round['lost']}, mixed {one_round['mixed']}", flush=True)
+        per_level = {}
         for c in levels:
-            samples, wall = run_level(server.url, server.model, prompts, order, c, args.max_tokens)
-            if alone is None:  # level 1: each request ran alone
-                alone = {s.prompt: s.text for s in samples if s.error is None}
-            per_level[c] = summarize(samples, wall, alone)
-            print(f"{c:>3} clients: {per_level[c]['tokens_per_s']:.1f} tok/s, lost {per_level[c]['lost']}, "
-                  f"mixed {per_level[c]['mixed']}", flush=True)
+            per_level[c] = summarize(pooled[c], walls[c], alone)
+            ratios = [a / b for a, b in zip(rates[c], rates[1])]
+            per_level[c].update(rounds=args.rounds, tokens_per_s_rounds=rates[c], vs_one_rounds=ratios,
+                                vs_one=float(np.median(ratios)))
     finally:
         server.stop()
 
@@ -269,24 +288,27 @@ def main(argv=None) -> dict:
 
     result = {"benchmark": "serve", "model": engine.info.name, "dtype": engine.info.dtype,
               "device": engine.info.device, "inferlet": args.inferlet, "prompts": [r["id"] for r in rows],
-              "requests": len(order), "max_tokens": args.max_tokens, "machine": machine(),
+              "requests": len(order), "rounds": args.rounds, "max_tokens": args.max_tokens, "machine": machine(),
               "levels": per_level, "hf_generate_sequential": hf,
               "lost_total": sum(v["lost"] for v in per_level.values()),
               "mixed_total": sum(v["mixed"] for v in per_level.values())}
     one = per_level[1]["tokens_per_s"]
-    trows = [[f"pie serve, {c} client(s)", v["tokens_per_s"], v["tokens_per_s"] / one, v["ttft_p50_s"] * 1e3,
+    trows = [[f"pie serve, {c} client(s)", v["tokens_per_s"], v["vs_one"],
+              " / ".join(f"{x:.2f}" for x in v["vs_one_rounds"]), v["ttft_p50_s"] * 1e3,
               v["ttft_p90_s"] * 1e3, v["itl_p50_s"] * 1e3, v["itl_p90_s"] * 1e3, v["lost"], v["mixed"],
               v["load_avg_1m"]] for c, v in per_level.items()]
     if hf is not None:
-        trows.append(["HF generate, one at a time", hf["tokens_per_s"], hf["tokens_per_s"] / one,
+        trows.append(["HF generate, one at a time", hf["tokens_per_s"], hf["tokens_per_s"] / one, "-",
                       hf["ttft_p50_s"] * 1e3, hf["ttft_p90_s"] * 1e3, hf["itl_p50_s"] * 1e3, hf["itl_p90_s"] * 1e3,
                       hf["lost"], "-", hf["load_avg_1m"]])
     md = (f"pie serve ({args.inferlet}), {engine.info.name} {engine.info.dtype} on {engine.info.device}; "
-          f"{len(order)} streaming chat requests per level over dev prompts {result['prompts']}, greedy, "
-          f"max_tokens {args.max_tokens}. TTFT from sending the request (queueing included); ITL between "
+          f"{len(order)} streaming chat requests per level and round over dev prompts {result['prompts']}, greedy, "
+          f"max_tokens {args.max_tokens}; {args.rounds} round(s) of the levels, interleaved. tok/s: all rounds "
+          f"pooled; vs 1 client: the median over rounds of each round's ratio to its own 1-client run (each "
+          f"round's after it). TTFT from sending the request (queueing included); ITL between "
           f"content chunks. Mixed: text unlike the same prompt's at 1 client. Load: the machine's 1-minute "
           f"load average at the end of the level ({os.cpu_count()} CPUs; above that, other work shared them).\n\n"
-          + table(["contender", "tok/s", "vs 1 client", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms",
+          + table(["contender", "tok/s", "vs 1 client", "each round", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms",
                    "lost", "mixed", "load"], trows))
     if hf is not None:
         md += f"\n\nHF generate's text equals the server's (1 client) on {hf['same_text_as_server']}/{len(order)} requests."
