@@ -3,8 +3,8 @@
 The data is the target's own: it answers a fixed prompt set (`prompts.training_prompts`) under its
 chat template, then, if `context_share` > 0, in a second round tasks over its own first-round
 replies (summarise, translate, extract, answer from a passage: `prompts.context_prompts`, that
-share of the token budget), and one forward of the target (in its own dtype) over each prompt + reply records,
-at every row j, the hidden state h_j before the final norm and the target's argmax c_j. The head
+share of the token budget), and one forward of the target (in its own dtype) over each prompt +
+reply records, at every row j, the hidden state h_j before the final norm and the target's argmax c_j. The head
 learns, for row j,
 
     step 1:  (h_j, embed(x_{j+1}))  at position j      -> c_{j+1}
@@ -18,8 +18,9 @@ frequent target choices; a label outside it is ignored in the loss and counted a
 validation figures), only on reply rows (j >= prompt length - 1, where drafting happens).
 
 Stages, each cached in the work folder so that a re-run skips what is done and `resume` continues:
-  gen/shard_NNNN.pt    the generated token sequences, gen-context/ the second round's (generation may run in bfloat16: much faster
-                       on CPU; the features and labels below always come from the target's dtype)
+  gen/shard_NNNN.pt    the generated token sequences, gen-context/ the second round's (generation
+                       may run in bfloat16: much faster on CPU; the features and labels below
+                       always come from the target's dtype)
   feat/shard_NNNN.pt   per sequence: tokens, prompt length, h (bfloat16) and the argmax choices
   ckpt.pt              the head, optimizer, schedule, step and history (every `ckpt_every` steps)
 """
@@ -127,6 +128,10 @@ def _gen_meta(cfg: TrainConfig, prompts: list[str]) -> dict:
             "prompts": len(prompts), "first_prompt": prompts[0] if prompts else ""}
 
 
+def _reply_tokens(seqs: list[dict]) -> int:
+    return sum(len(q["ids"]) - q["prompt_len"] for q in seqs)
+
+
 def _shards(folder: Path) -> list[Path]:
     return sorted(folder.glob("shard_*.pt")) if folder.exists() else []
 
@@ -165,7 +170,7 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
     seqs: list[dict] = []
     for s in _shards(gdir):
         seqs += torch.load(s)
-    have = sum(len(q["ids"]) - q["prompt_len"] for q in seqs)
+    have = _reply_tokens(seqs)
     eos = _eos_ids(target, tok)
     pad = getattr(tok, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
@@ -216,7 +221,7 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
         secs[str(k)] = round(time.time() - ts, 2)
         tfile.write_text(json.dumps(secs) + "\n")
         seqs += shard
-        got = sum(len(q["ids"]) - q["prompt_len"] for q in shard)
+        got = _reply_tokens(shard)
         have += got
         bar.update(min(got, max(0, cfg.tokens - bar.n)))
         k += 1
@@ -507,7 +512,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     tg = time.time()
     second = round(cfg.tokens * cfg.context_share)
     seqs = generate(target, tok, prompts, dataclasses.replace(cfg, tokens=cfg.tokens - second), work)
-    rounds = {"first": {"sequences": len(seqs), "reply_tokens": sum(len(q["ids"]) - q["prompt_len"] for q in seqs)}}
+    rounds = {"first": {"sequences": len(seqs), "reply_tokens": _reply_tokens(seqs)}}
     if second:
         shortest = min(40, cfg.max_new_tokens // 2)  # a passage worth working on
         passages = [(q["prompt_index"], text) for q in seqs if len(q["ids"]) - q["prompt_len"] >= shortest
@@ -515,7 +520,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
                     if text]
         ctx = context_prompts(passages, len(prompts), len(prompts), cfg.seed, cfg.val_every)
         more = generate(target, tok, ctx, dataclasses.replace(cfg, tokens=second), work, "gen-context", len(prompts))
-        rounds["second"] = {"sequences": len(more), "reply_tokens": sum(len(q["ids"]) - q["prompt_len"] for q in more),
+        rounds["second"] = {"sequences": len(more), "reply_tokens": _reply_tokens(more),
                             "prompt_tokens": sum(q["prompt_len"] for q in more)}
         seqs += more
     t_gen_run = time.time() - tg
@@ -536,11 +541,11 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     dv, vinfo = choose_draft_vocab(trn, V, cfg.draft_vocab, cfg.coverage)
     vmap = torch.full((V,), IGNORE, dtype=torch.long)
     vmap[dv] = torch.arange(len(dv))
-    reply_tokens = sum(len(q["ids"]) - q["prompt_len"] for q in seqs)
+    reply_tokens = _reply_tokens(seqs)
     data = {"prompts_train": len(trn), "prompts_val": len(val), "reply_tokens": reply_tokens, "rounds": rounds,
             "rows_total": sum(len(q["ids"]) - 1 for q in seqs),
-            "train_rows": sum(len(q["ids"]) - q["prompt_len"] for q in trn),
-            "val_rows": sum(len(q["ids"]) - q["prompt_len"] for q in val),
+            "train_rows": _reply_tokens(trn),
+            "val_rows": _reply_tokens(val),
             "greedy_agreement": _agreement(seqs) if cfg.features == "forward" else None}
     if cfg.progress:
         print(f"data: {len(trn)} training / {len(val)} validation sequences, {reply_tokens} reply tokens; "

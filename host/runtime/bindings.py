@@ -218,7 +218,7 @@ class InstanceHost:
         # no finalizer: release_all forgets the key (a C callback at store drop could run at shutdown)
         ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _on_deadline, self._epoch_key, _NO_FINALIZER)
         store.set_epoch_deadline(1)
-        self._last_exit = _guest_clock()  # guest time starts here, not when the component was compiled
+        self.start_guest_clock()  # guest time starts here, not when the component was compiled
 
     def start_guest_clock(self) -> None:
         """Called on the instance's thread right before the guest's `run`: guest time counts from here."""
