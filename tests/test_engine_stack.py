@@ -2,8 +2,9 @@
 
 Each supported architecture gets a tiny random model; one engine runs the same batches through
 its layer stack and through transformers' forward (with the engine's attention hook), with the
-packed products and with the stock layers (the path CUDA takes), and the logits and hidden
-states must be equal exactly, not to a tolerance: the stack claims the same arithmetic.
+packed products and the attention kernel (the CPU's path), and with the stock layers and SDPA
+(the path CUDA takes), and the logits and hidden states must be equal exactly, not to a
+tolerance: the stack claims the same arithmetic.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ def batches(eng):
     yield [Pass(d, [31, 32, 33, 34], [0, 1, 2, 3], fold=2, hidden=True)]
 
 
-def outputs(model, stack: bool, packed: bool):
+def outputs(model, stack: bool, packed: bool, kernel: bool = True):
     eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
     eng.linears.enabled = packed
+    if not kernel:  # SDPA over gathered contexts: the attention other devices run
+        eng.attention_kernel = None
     if not stack:
         eng.stack = None
     out = []
@@ -72,12 +75,12 @@ CASES = [(t, {}) for t in SUPPORTED] + [("llama", {"attention_bias": True, "mlp_
 
 
 @pytest.mark.parametrize("model_type,extra", CASES, ids=[t + "-bias" * bool(x) for t, x in CASES])
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "stock"])
-def test_the_stack_equals_transformers_forward_exactly(model_type, extra, packed):
+@pytest.mark.parametrize("packed,kernel", [(True, True), (False, False)], ids=["packed-kernel", "stock-sdpa"])
+def test_the_stack_equals_transformers_forward_exactly(model_type, extra, packed, kernel):
     model = tiny_model(model_type, **extra)
-    eng, ours = outputs(model, stack=True, packed=packed)
+    eng, ours = outputs(model, stack=True, packed=packed, kernel=kernel)
     assert eng.stack is not None, f"{model_type} should run on the layer stack"
-    _, theirs = outputs(model, stack=False, packed=packed)
+    _, theirs = outputs(model, stack=False, packed=packed, kernel=kernel)
     assert len(ours) == len(theirs) == 10
     for (lo, ho), (lt, ht) in zip(ours, theirs):
         assert torch.equal(lo, lt)

@@ -4,16 +4,27 @@ registered with transformers' attention interface for the layers transformers ru
 Either way only the attention core is replaced: it writes the batch's new K/V rows into the
 paged pool and attends each pass's queries to that pass's frozen rows plus its own window
 (causally). Rows past a working set's frozen end from earlier passes are never in the context.
+
+Short windows (decode rows, verification windows) attend with the engine's kernel where one is
+built (kernels.py: CPU, float32), which reads the context where it lies in the pool; long
+windows (prompts), and every window without the kernel, go through SDPA over a gathered copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 NAME = "pie_paged"
+
+# Windows up to this many rows are short: they share one attention call (padded to the longest,
+# or the kernel's); a longer one (a prompt) gets its own, so it does not pad every decode row.
+SMALL_WINDOW = 16
+
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -33,6 +44,10 @@ class Group:
     # rows of the layer's pool, viewed [2 * kv_heads * slots, D], that hold the contexts' K and V:
     # made by the first layer, used by all (one gather along dim 0, which torch runs on every core)
     kv_rows: torch.Tensor | None = None
+    # short windows, for the kernel: each pass's first flat row, window and frozen length
+    passes: tuple[list[int], list[int], list[int]] | None = None
+    # the kernel's arguments after the pool and query: made by the first layer, used by all
+    plan: tuple | None = None
 
 
 @dataclass
@@ -43,6 +58,7 @@ class BatchMeta:
     # keys lie in one run, which a decode row's attention over a long context reads faster)
     slot_mapping: torch.Tensor  # [T] pool slot of each new row
     groups: list[Group]
+    kernel: Callable | None = None  # kernels.paged_attention for the short-window groups, or None: SDPA
 
 
 def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], lengths: list[int],
@@ -74,7 +90,8 @@ def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], le
         q_valid = valid.flatten()
         if not whole:
             rows = q_index.flatten()[q_valid]
-    return Group(rows, ctx_t, ctx_range, q_index, q_valid, mask, causal, uniform)
+    short = (starts, windows, frozen) if not causal and wmax <= SMALL_WINDOW else None
+    return Group(rows, ctx_t, ctx_range, q_index, q_valid, mask, causal, uniform, passes=short)
 
 
 def _attend(g: Group, kv, query, scaling):
@@ -107,6 +124,12 @@ def _attend(g: Group, kv, query, scaling):
     return out.transpose(0, 1).flatten(1, 2)[:, g.q_valid].unsqueeze(0)
 
 
+def _kernel_plan(g: Group, dev) -> tuple:
+    starts, windows, frozen = torch.tensor(g.passes, device=dev)  # three contiguous rows
+    ctx = g.ctx_slots if g.ctx_slots is not None else _NO_SLOTS
+    return ctx, g.ctx_range[0] if g.ctx_range is not None else 0, starts, windows, frozen
+
+
 def attend(meta: BatchMeta, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            scaling: float) -> torch.Tensor:
     """Write the batch's new K/V rows into `layer`'s pool and attend its queries.
@@ -115,11 +138,26 @@ def attend(meta: BatchMeta, layer: int, query: torch.Tensor, key: torch.Tensor, 
     kv = meta.kv[layer]  # [2, kv_heads, slots, D]
     kv[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
     kv[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1))
-    if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(meta.groups[0], kv, query, scaling)
-    out = query.new_empty(query.shape)
+    kernel = meta.kernel
+    if kernel is None or all(g.passes is None for g in meta.groups):
+        if len(meta.groups) == 1 and meta.groups[0].rows is None:
+            return _attend(meta.groups[0], kv, query, scaling)
+        out = query.new_empty(query.shape)
+    else:
+        _, heads, t, d = query.shape
+        # token-major, so that the caller's [T, heads * D] view of it needs no copy
+        out = query.new_empty((t, heads, d)).transpose(0, 1)[None]
+        if query.stride(-1) != 1:
+            query = query.contiguous()
     for g in meta.groups:
-        out[:, :, g.rows] = _attend(g, kv, query, scaling)
+        if kernel is not None and g.passes is not None:
+            if g.plan is None:
+                g.plan = _kernel_plan(g, query.device)
+            kernel(out[0], query[0], kv, *g.plan, scaling)
+        elif g.rows is None:
+            out[:] = _attend(g, kv, query, scaling)
+        else:
+            out[:, :, g.rows] = _attend(g, kv, query, scaling)
     return out
 
 

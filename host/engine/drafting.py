@@ -179,7 +179,7 @@ class HeadRunner:
         ends = [f + w for f, w in zip(frozen, windows)]
         ctx = [states[b].ws.slots(0, e) for b, e in zip(passes, ends)]
         group = attention.make_group(dev, starts, windows, frozen, ends, ctx, None, True)
-        meta = attention.BatchMeta(eng.kv, torch.tensor(slots, device=dev), [group])
+        meta = attention.BatchMeta(eng.kv, torch.tensor(slots, device=dev), [group], eng.attention_kernel)
         pos = torch.tensor(positions, device=dev)[None]
         e = self._embed(ids)[None]
         pe = self._rotary(e, pos)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import ContextOverflow, InvalidArgument, PieError
-from . import attention
+from . import attention, kernels
 from .compute import on_compute_thread
 from .linear import PackedLinears
 from .pages import PagePool, Quota
@@ -158,6 +158,10 @@ class Engine:
         # the layers without transformers' per-layer Python, where the architecture allows (stack.py);
         # None runs transformers' forward (a benchmark's baseline may set it so)
         self.stack = LayerStack.of(model, self.linears)
+        # short windows' attention reads the paged pool in place (kernels.py) on CPU float32; None
+        # runs SDPA over gathered contexts, the other devices' path (tests and benchmarks compare)
+        self.attention_kernel = (kernels.paged_attention() if self.device_type == "cpu"
+                                 and self.dtype == torch.float32 and head_dim % 16 == 0 else None)
         # the readout's hidden state is the last layer's output before the final norm (what MTP
         # heads take): on transformers' path, kept from the norm's input
         self._prenorm: torch.Tensor | None = None
@@ -322,19 +326,15 @@ class Engine:
             input_ids = (torch.cat(tok) if len(tok) > 1 else tok[0]).clamp(0, self.info.vocab_size - 1)
             idx = torch.tensor(pos + slots + readout, device=dev)  # one host->device copy
             positions, slot_map, rows = idx[:t], idx[t:2 * t], idx[2 * t:2 * t + n]
-        meta = attention.BatchMeta(self.kv, slot_map, self._groups(passes))
+        meta = attention.BatchMeta(self.kv, slot_map, self._groups(passes), self.attention_kernel)
         return Batch(passes, firsts, input_ids, positions, meta, rows, splits)
-
-    # Windows up to this many rows share one padded attention call; longer ones (prefills) get
-    # their own, so one long prompt does not pad every decode row of the batch to its length.
-    SMALL_WINDOW = 16
 
     def _groups(self, passes: list[Pass]) -> list[attention.Group]:
         if len(passes) == 1:  # a lone pass (a decode step): one group, nothing to partition
             return [self._group(passes, [0], [0], True)]
         starts = list(itertools.accumulate((ps.window for ps in passes), initial=0))[:-1]
-        small = [i for i, ps in enumerate(passes) if ps.window <= self.SMALL_WINDOW]
-        sets = ([small] if small else []) + [[i] for i, ps in enumerate(passes) if ps.window > self.SMALL_WINDOW]
+        small = [i for i, ps in enumerate(passes) if ps.window <= attention.SMALL_WINDOW]
+        sets = ([small] if small else []) + [[i] for i, ps in enumerate(passes) if ps.window > attention.SMALL_WINDOW]
         return [self._group(passes, idx, [starts[i] for i in idx], len(sets) == 1) for idx in sets]
 
     def _group(self, passes: list[Pass], idx: list[int], starts: list[int], whole: bool) -> attention.Group:

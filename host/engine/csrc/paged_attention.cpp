@@ -1,0 +1,206 @@
+// Paged attention of short query windows (decode rows, verification windows) on the CPU, in float32.
+//
+// SDPA over the paged pool needs each pass's context gathered into a padded copy first: the
+// copy is written and read again, three times the traffic of reading the context once. This
+// kernel reads each context row where it lies in the pool. Each query row is computed alone, in
+// an order that does not depend on the rest of the batch: a row gets the same result in a
+// one-row decode pass and inside a batch or a verification window.
+//
+// Vectors are GCC's vector extensions, 16 floats wide: the compiler lowers them to the target's
+// registers (one AVX-512 register, two AVX ones, four SSE ones), so one source serves them all.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+const vi kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline vf splat(float x) { return vf{} + x; }
+
+// Context rows lie in pages scattered over the pool, where the hardware prefetcher does not
+// follow: each row is fetched a page (16 rows, the default page size) before it is read.
+constexpr int64_t kAhead = 16;
+
+inline void prefetch_row(const float* p, int64_t d) {
+  for (int64_t i = 0; i < d; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
+}
+
+inline float hsum(vf v) {
+  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, range-reduced by ln 2 in two
+// parts, a degree-5 polynomial, and the power of two put into the exponent bits. Within ~2 ulp;
+// inputs below -87 give ~1e-38 instead of a denormal.
+inline vf exp_nonpositive(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  vf t = x * splat(1.44269504088896341f) + splat(0.5f);
+  vi n = __builtin_convertvector(t, vi);  // truncates toward zero: floor for t >= 0
+  n = n + (__builtin_convertvector(n, vf) > t);  // mask is -1 where truncation went up: floor
+  vf fn = __builtin_convertvector(n, vf);
+  vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
+  vf z = r * r;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * z + r + splat(1.0f);
+  vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace
+
+// For each pass b, each row i < windows[b] of its window, and each query head h:
+//   out[h, starts[b] + i] = attention of q[h, starts[b] + i] (a [D] row) over the first
+//   frozen[b] + i + 1 rows of pass b's context (causal within the window),
+// where context row j is pool slot ctx[b, j], or base + j when ctx is empty (one pass whose
+// context is one run of slots). kv: one layer's pool, [2, kv_heads, slots, D], contiguous. q and
+// out: [heads, T, D] with any strides but the last; query head h reads kv head h / (heads / kv_heads).
+// One task is one pass and one kv head: a context row is read once for all its window's rows and
+// heads, and a row's arithmetic is that of a one-row pass with frozen[b] + i rows.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor ctx, int64_t base,
+                     torch::Tensor starts, torch::Tensor windows, torch::Tensor frozen, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv.scalar_type() == torch::kFloat32 &&
+                  out.scalar_type() == torch::kFloat32,
+              "paged_attention: float32 only");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv.dim() == 4 && kv.is_contiguous() && q.sizes() == out.sizes(),
+              "paged_attention: shapes");
+  const int64_t heads = q.size(0), t = q.size(1), d = q.size(2), kv_heads = kv.size(1), slots = kv.size(2);
+  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == d && d % kLanes == 0 && heads % kv_heads == 0,
+              "paged_attention: head_dim must be a multiple of ", kLanes, " and heads of kv_heads");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: q and out need a unit last stride");
+  for (const auto& x : {starts, windows, frozen})
+    TORCH_CHECK(x.scalar_type() == torch::kLong && x.is_contiguous() && x.numel() == starts.numel(),
+                "paged_attention: starts, windows and frozen are one int64 entry per pass");
+  const int64_t passes = starts.numel(), group = heads / kv_heads, chunks = d / kLanes;
+  const bool runs = ctx.numel() == 0;
+  TORCH_CHECK(runs || (ctx.scalar_type() == torch::kLong && ctx.is_contiguous() && ctx.dim() == 2 &&
+                       ctx.size(0) == passes),
+              "paged_attention: ctx is [passes, longest context] int64, or empty");
+  const int64_t ctx_len = runs ? 0 : ctx.size(1);
+  const int64_t *sp = starts.data_ptr<int64_t>(), *wp = windows.data_ptr<int64_t>(), *fp = frozen.data_ptr<int64_t>();
+  const int64_t* cp = runs ? nullptr : ctx.data_ptr<int64_t>();
+  int64_t longest = 0, widest = 0;
+  for (int64_t b = 0; b < passes; ++b) {
+    const int64_t len = fp[b] + wp[b];
+    TORCH_CHECK(wp[b] >= 1 && fp[b] >= 0 && sp[b] >= 0 && sp[b] + wp[b] <= t, "paged_attention: bad window");
+    TORCH_CHECK(runs ? base >= 0 && base + len <= slots : len <= ctx_len, "paged_attention: the visible context is past the pool or ctx");
+    for (int64_t j = 0; !runs && j < len; ++j)
+      TORCH_CHECK(cp[b * ctx_len + j] >= 0 && cp[b * ctx_len + j] < slots, "paged_attention: a slot past the pool");
+    longest = std::max(longest, len);
+    widest = std::max(widest, wp[b]);
+  }
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* kp = kv.data_ptr<float>();
+  const float* vp = kp + kv_heads * slots * d;
+  const int64_t qs_h = q.stride(0), qs_t = q.stride(1), os_h = out.stride(0), os_t = out.stride(1);
+  const float sc = static_cast<float>(scale);
+  const int64_t width = (longest + kLanes - 1) / kLanes * kLanes;
+
+  at::parallel_for(0, passes * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // per (window row, head) r = i * group + h: its scores, its running sum of weighted values
+    std::vector<float> score(widest * group * width);
+    std::vector<vf> acc(widest * group * chunks);
+    std::vector<int64_t> slot(longest);
+    std::vector<float> total(widest * group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, g = task % kv_heads, w = wp[b], f = fp[b], len = f + w;
+      for (int64_t j = 0; j < len; ++j) slot[j] = runs ? base + j : cp[b * ctx_len + j];
+      const float* keys = kp + g * slots * d;
+      const float* values = vp + g * slots * d;
+      auto query = [&](int64_t i, int64_t h) { return qp + (g * group + h) * qs_h + (sp[b] + i) * qs_t; };
+      // scores: context row j is seen by window rows i >= j - f
+      for (int64_t j = 0; j < len; ++j) {
+        if (j + kAhead < len) prefetch_row(keys + slot[j + kAhead] * d, d);
+        const float* k = keys + slot[j] * d;
+        for (int64_t i = std::max<int64_t>(j - f, 0); i < w; ++i) {
+          for (int64_t h = 0; h < group; ++h) {
+            const float* qi = query(i, h);
+            vf s = load(qi) * load(k);
+            for (int64_t c = 1; c < chunks; ++c) s += load(qi + c * kLanes) * load(k + c * kLanes);
+            score[(i * group + h) * width + j] = hsum(s) * sc;
+          }
+        }
+      }
+      // softmax weights, unnormalised, over each row's f + i + 1 rows; the padding weighs 0
+      for (int64_t i = 0; i < w; ++i) {
+        const int64_t seen = f + i + 1, padded = (seen + kLanes - 1) / kLanes * kLanes;
+        for (int64_t h = 0; h < group; ++h) {
+          float* s = score.data() + (i * group + h) * width;
+          for (int64_t j = seen; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
+          vf m = load(s);
+          for (int64_t j = kLanes; j < padded; j += kLanes) {
+            vf x = load(s + j);
+            m = x > m ? x : m;
+          }
+          const vf top = splat(hmax(m));
+          vf sum{};
+          for (int64_t j = 0; j < padded; j += kLanes) {
+            vf e = exp_nonpositive(load(s + j) - top);
+            if (j + kLanes > seen) e = kIota < static_cast<int32_t>(seen - j) ? e : vf{};
+            store(s + j, e);
+            sum += e;
+          }
+          total[i * group + h] = hsum(sum);
+        }
+      }
+      // the weighted sum of the values, each value row read once for the rows that see it
+      std::fill(acc.begin(), acc.begin() + w * group * chunks, vf{});
+      for (int64_t j = 0; j < len; ++j) {
+        if (j + kAhead < len) prefetch_row(values + slot[j + kAhead] * d, d);
+        const float* v = values + slot[j] * d;
+        for (int64_t r = std::max<int64_t>(j - f, 0) * group; r < w * group; ++r) {
+          const vf p = splat(score[r * width + j]);
+          vf* a = acc.data() + r * chunks;
+          for (int64_t c = 0; c < chunks; ++c) a[c] += p * load(v + c * kLanes);
+        }
+      }
+      for (int64_t i = 0; i < w; ++i) {
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = i * group + h;
+          const vf inv = splat(1.0f / total[r]);
+          float* o = op + (g * group + h) * os_h + (sp[b] + i) * os_t;
+          for (int64_t c = 0; c < chunks; ++c) store(o + c * kLanes, acc[r * chunks + c] * inv);
+        }
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention of short query windows (CPU, float32)");
+}
