@@ -2,15 +2,16 @@
 
     python -m bench.profile [--model NAME] [--windows 1 2 4 8 16] [--prefill 256 768] [--context 300]
 
-Each case runs on both paths the engine has: transformers' forward and, where the architecture
-allows, the engine's own layer stack (host/engine/stack.py). Each case is one engine pass: a decode window of W rows over a --context-token prefix (all rows
+Each case runs on every path the engine has: transformers' forward and, where the architecture
+allows, the engine's own layer stack (host/engine/stack.py), both with the engine's attention
+kernel where it is built (CPU float32), and the stack with SDPA instead (the other devices' path). Each case is one engine pass: a decode window of W rows over a --context-token prefix (all rows
 read out, fold 0, so the context stays the same), --sets working sets decoding one row each in
 one batch (their contexts' pages interleaved, as concurrent clients' are), or a prefill of N prompt tokens into an empty
 working set. Its wall time is the median of --repeats plain runs; then one run under
 torch.profiler splits the operators' own time by kind:
 
 - products: the linear layers (oneDNN packed or stock) and the lm_head;
-- attention: the KV pool writes and gathers and the SDPA call;
+- attention: the KV pool writes, and the kernel, or the gathers and the SDPA call;
 - norms/activations: RMSNorm, RoPE, SiLU, residual adds and the other elementwise ops;
 - other ops: views, copies, index tensors;
 - outside ops: the wall time the profiler saw no operator run (transformers' and the engine's
@@ -35,10 +36,12 @@ from host.engine.engine import Pass
 
 from .common import machine, on_compute, table, write
 
+KERNEL = "pie::paged_attention"  # the engine's kernel is no torch operator: the profiler sees this name
+
 KINDS = {
     "products": ("linear", "addmm", "mm", "matmul", "bmm", "_linear_pointwise", "mkldnn"),
     "attention": ("scaled_dot_product", "flash_attention", "index_copy", "index_select", "_efficient_attention",
-                  "softmax", "baddbmm"),
+                  "softmax", "baddbmm", "paged_attention"),
     "norms/activations": ("pow", "mean", "rsqrt", "mul", "add", "silu", "neg", "cat", "tanh", "sub", "div", "cos",
                           "sin", "where", "embedding"),
 }
@@ -66,7 +69,7 @@ def main(argv=None) -> dict:
 
 
 def _is_op(name: str) -> bool:
-    return name.startswith(("aten::", "mkldnn::"))
+    return name.startswith(("aten::", "mkldnn::", KERNEL))
 
 
 def _inside_op(event) -> bool:
@@ -99,8 +102,17 @@ def _weight_bytes(engine) -> int:
 
 def _run(args) -> dict:
     engine = store.open_engine(args.model, kv_pages=max(256, (args.sets + 2) * (args.context + max(args.prefill + [16])) // 16 + 64))
-    stack = engine.stack
-    paths = {"transformers": None, "stack": stack} if stack is not None else {"transformers": None}
+    stack, kernel = engine.stack, engine.attention_kernel
+
+    def recorded(*a):
+        with torch.profiler.record_function(KERNEL):
+            return kernel(*a)
+
+    paths = {"transformers": (None, kernel is not None)}  # name: (layer stack, attention kernel)
+    if stack is not None:
+        paths["stack"] = (stack, kernel is not None)
+        if kernel is not None:
+            paths["stack, SDPA"] = (stack, False)
     prefix = [(7 * i) % 1000 + 100 for i in range(max([args.context, *args.prefill]))]
     ws = engine.new_working_set()
     engine.forward([Pass(ws, prefix[:args.context], [0])])
@@ -121,7 +133,8 @@ def _run(args) -> dict:
 
     def once(make, path, around=None):
         """One case's pass on one path (inside `around`, a profiler, if given): its wall time."""
-        engine.stack = paths[path]
+        engine.stack, with_kernel = paths[path]
+        engine.attention_kernel = (recorded if around else kernel) if with_kernel else None
         passes = make()
         with around or contextlib.nullcontext():
             t0 = time.perf_counter()
@@ -160,12 +173,13 @@ def _run(args) -> dict:
                          "outside_ops_ms": max(prof_wall - in_ops, 0.0) * 1e3, "op_calls": calls,
                          "dispatch_est_ms": calls * op_cost * 1e3,
                          "product_gb_s": weights / by_kind["products"] / 1e9 if by_kind["products"] else float("nan")})
-    engine.stack = stack
+    engine.stack, engine.attention_kernel = stack, kernel
     heads = ["case", "path", "wall ms", "profiled ms", "products ms", "attention ms", "norms/act ms", "other ops ms",
              "outside ops ms", "op calls", "dispatch est ms", "product GB/s"]
     md = (f"Pass profile, {engine.info.name} ({engine.info.dtype}, {engine.info.device}, "
           f"{torch.get_num_threads()} threads); decode over a {args.context}-token context; path: transformers' "
-          f"forward or the engine's layer stack (host/engine/stack.py); wall: median of {args.repeats}, "
+          f"forward or the engine's layer stack (host/engine/stack.py), with the engine's attention kernel "
+          f"where built, or with SDPA; wall: median of {args.repeats}, "
           f"interleaved; the split is one profiled run's operator self time. Products read "
           f"{weights / 1e6:.0f} MB of weights per pass; one tiny operator costs {op_cost * 1e6:.1f} us here.\n\n"
           + table(heads, [[r["case"], r["path"], r["wall_ms"], r["profiled_wall_ms"], r["products_ms"],

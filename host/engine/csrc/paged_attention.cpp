@@ -89,8 +89,10 @@ inline vf exp_nonpositive(vf x) {
 // where context row j is pool slot ctx[b, j], or base + j when ctx is empty (one pass whose
 // context is one run of slots). kv: one layer's pool, [2, kv_heads, slots, D], contiguous. q and
 // out: [heads, T, D] with any strides but the last; query head h reads kv head h / (heads / kv_heads).
-// One task is one pass and one kv head: a context row is read once for all its window's rows and
-// heads, and a row's arithmetic is that of a one-row pass with frozen[b] + i rows.
+// One task is one pass, one kv head and a block of the window's rows: a context row is read once
+// for all the block's rows and heads. A batch of few passes is cut into blocks of fewer rows,
+// so that every thread gets work. A row's arithmetic is that of a one-row pass with frozen[b] + i
+// rows, whatever its block.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor ctx, int64_t base,
                      torch::Tensor starts, torch::Tensor windows, torch::Tensor frozen, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv.scalar_type() == torch::kFloat32 &&
@@ -130,37 +132,44 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch
   const int64_t qs_h = q.stride(0), qs_t = q.stride(1), os_h = out.stride(0), os_t = out.stride(1);
   const float sc = static_cast<float>(scale);
   const int64_t width = (longest + kLanes - 1) / kLanes * kLanes;
+  // blocks per window: enough tasks for every thread a few times over, none of them empty
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t blocks = std::min(widest, std::max<int64_t>(1, (want + passes * kv_heads - 1) / (passes * kv_heads)));
+  const int64_t block = (widest + blocks - 1) / blocks;
 
-  at::parallel_for(0, passes * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // per (window row, head) r = i * group + h: its scores, its running sum of weighted values
-    std::vector<float> score(widest * group * width);
-    std::vector<vf> acc(widest * group * chunks);
+  at::parallel_for(0, passes * kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    // per (block row, head) r = (i - i0) * group + h: its scores, its running sum of weighted values
+    std::vector<float> score(block * group * width);
+    std::vector<vf> acc(block * group * chunks);
     std::vector<int64_t> slot(longest);
-    std::vector<float> total(widest * group);
+    std::vector<float> total(block * group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, g = task % kv_heads, w = wp[b], f = fp[b], len = f + w;
+      const int64_t b = task / (kv_heads * blocks), g = task / blocks % kv_heads, f = fp[b];
+      const int64_t i0 = task % blocks * block, i1 = std::min(wp[b], i0 + block), len = f + i1;
+      if (i0 >= i1) continue;  // a window shorter than the widest
       for (int64_t j = 0; j < len; ++j) slot[j] = runs ? base + j : cp[b * ctx_len + j];
       const float* keys = kp + g * slots * d;
       const float* values = vp + g * slots * d;
       auto query = [&](int64_t i, int64_t h) { return qp + (g * group + h) * qs_h + (sp[b] + i) * qs_t; };
+      auto row = [&](int64_t i, int64_t h) { return (i - i0) * group + h; };
       // scores: context row j is seen by window rows i >= j - f
       for (int64_t j = 0; j < len; ++j) {
         if (j + kAhead < len) prefetch_row(keys + slot[j + kAhead] * d, d);
         const float* k = keys + slot[j] * d;
-        for (int64_t i = std::max<int64_t>(j - f, 0); i < w; ++i) {
+        for (int64_t i = std::max(j - f, i0); i < i1; ++i) {
           for (int64_t h = 0; h < group; ++h) {
             const float* qi = query(i, h);
             vf s = load(qi) * load(k);
             for (int64_t c = 1; c < chunks; ++c) s += load(qi + c * kLanes) * load(k + c * kLanes);
-            score[(i * group + h) * width + j] = hsum(s) * sc;
+            score[row(i, h) * width + j] = hsum(s) * sc;
           }
         }
       }
       // softmax weights, unnormalised, over each row's f + i + 1 rows; the padding weighs 0
-      for (int64_t i = 0; i < w; ++i) {
+      for (int64_t i = i0; i < i1; ++i) {
         const int64_t seen = f + i + 1, padded = (seen + kLanes - 1) / kLanes * kLanes;
         for (int64_t h = 0; h < group; ++h) {
-          float* s = score.data() + (i * group + h) * width;
+          float* s = score.data() + row(i, h) * width;
           for (int64_t j = seen; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
           vf m = load(s);
           for (int64_t j = kLanes; j < padded; j += kLanes) {
@@ -175,23 +184,23 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch
             store(s + j, e);
             sum += e;
           }
-          total[i * group + h] = hsum(sum);
+          total[row(i, h)] = hsum(sum);
         }
       }
       // the weighted sum of the values, each value row read once for the rows that see it
-      std::fill(acc.begin(), acc.begin() + w * group * chunks, vf{});
+      std::fill(acc.begin(), acc.begin() + (i1 - i0) * group * chunks, vf{});
       for (int64_t j = 0; j < len; ++j) {
         if (j + kAhead < len) prefetch_row(values + slot[j + kAhead] * d, d);
         const float* v = values + slot[j] * d;
-        for (int64_t r = std::max<int64_t>(j - f, 0) * group; r < w * group; ++r) {
+        for (int64_t r = row(std::max(j - f, i0), 0); r < row(i1, 0); ++r) {
           const vf p = splat(score[r * width + j]);
           vf* a = acc.data() + r * chunks;
           for (int64_t c = 0; c < chunks; ++c) a[c] += p * load(v + c * kLanes);
         }
       }
-      for (int64_t i = 0; i < w; ++i) {
+      for (int64_t i = i0; i < i1; ++i) {
         for (int64_t h = 0; h < group; ++h) {
-          const int64_t r = i * group + h;
+          const int64_t r = row(i, h);
           const vf inv = splat(1.0f / total[r]);
           float* o = op + (g * group + h) * os_h + (sp[b] + i) * os_t;
           for (int64_t c = 0; c < chunks; ++c) store(o + c * kLanes, acc[r * chunks + c] * inv);
