@@ -4,7 +4,8 @@
 
 Each case runs on every path the engine has: transformers' forward and, where the architecture
 allows, the engine's own layer stack (host/engine/stack.py), both with the engine's attention
-kernel where it is built (CPU float32), and the stack with SDPA instead (the other devices' path). Each case is one engine pass: a decode window of W rows over a --context-token prefix (all rows
+kernel where it is built (CPU float32); the stack's loop in C++ where it applies (short windows)
+or in Python; and the stack with SDPA instead (the other devices' path). Each case is one engine pass: a decode window of W rows over a --context-token prefix (all rows
 read out, fold 0, so the context stays the same), --sets working sets decoding one row each in
 one batch (their contexts' pages interleaved, as concurrent clients' are), or a prefill of N prompt tokens into an empty
 working set. Its wall time is the median of --repeats plain runs; then one run under
@@ -103,16 +104,21 @@ def _weight_bytes(engine) -> int:
 def _run(args) -> dict:
     engine = store.open_engine(args.model, kv_pages=max(256, (args.sets + 2) * (args.context + max(args.prefill + [16])) // 16 + 64))
     stack, kernel = engine.stack, engine.attention_kernel
+    native = stack.native if stack is not None else None
 
     def recorded(*a):
         with torch.profiler.record_function(KERNEL):
             return kernel(*a)
 
-    paths = {"transformers": (None, kernel is not None)}  # name: (layer stack, attention kernel)
+    # name: (layer stack, attention kernel, the stack's C++ loop); the C++ loop calls the kernel
+    # itself, so its attention shows in "other ops"/"outside ops" of a profile, not "attention"
+    paths = {"transformers": (None, kernel is not None, False)}
     if stack is not None:
-        paths["stack"] = (stack, kernel is not None)
+        paths["stack"] = (stack, kernel is not None, native is not None)
+        if native is not None:
+            paths["stack, Python loop"] = (stack, True, False)
         if kernel is not None:
-            paths["stack, SDPA"] = (stack, False)
+            paths["stack, SDPA"] = (stack, False, False)
     prefix = [(7 * i) % 1000 + 100 for i in range(max([args.context, *args.prefill]))]
     ws = engine.new_working_set()
     engine.forward([Pass(ws, prefix[:args.context], [0])])
@@ -133,8 +139,10 @@ def _run(args) -> dict:
 
     def once(make, path, around=None):
         """One case's pass on one path (inside `around`, a profiler, if given): its wall time."""
-        engine.stack, with_kernel = paths[path]
+        engine.stack, with_kernel, with_native = paths[path]
         engine.attention_kernel = (recorded if around else kernel) if with_kernel else None
+        if stack is not None:
+            stack.native = native if with_native else None
         passes = make()
         with around or contextlib.nullcontext():
             t0 = time.perf_counter()
@@ -174,6 +182,8 @@ def _run(args) -> dict:
                          "dispatch_est_ms": calls * op_cost * 1e3,
                          "product_gb_s": weights / by_kind["products"] / 1e9 if by_kind["products"] else float("nan")})
     engine.stack, engine.attention_kernel = stack, kernel
+    if stack is not None:
+        stack.native = native
     heads = ["case", "path", "wall ms", "profiled ms", "products ms", "attention ms", "norms/act ms", "other ops ms",
              "outside ops ms", "op calls", "dispatch est ms", "product GB/s"]
     md = (f"Pass profile, {engine.info.name} ({engine.info.dtype}, {engine.info.device}, "

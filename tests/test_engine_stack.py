@@ -110,3 +110,28 @@ def test_other_layers_run_transformers_forward():
     ws = eng.new_working_set()
     (o,) = eng.forward([Pass(ws, seq(5), [4])])
     assert o.logits.shape == (1, 97)
+
+
+@pytest.mark.parametrize("model_type,extra", CASES, ids=[t + "-bias" * bool(x) for t, x in CASES])
+def test_the_cpp_loop_equals_the_python_loop_exactly(model_type, extra):
+    """csrc/layer_stack.cpp calls stack.py's operators from C++: the same bits, where it runs
+    (CPU float32, packed products, batches of short windows) and otherwise stack.py runs."""
+    model = tiny_model(model_type, **extra)
+    eng, _ = outputs(model, stack=True, packed=True)
+    native, calls = eng.stack.native, []
+    assert native is not None, "the C++ loop should be built and taken on CPU float32"
+
+    def counted(*args):
+        calls.append(1)
+        return native(*args)
+
+    eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
+    eng.stack.native = counted
+    ours = [(o.logits, o.hidden) for passes in batches(eng) for o in eng.forward(passes)]
+    eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
+    eng.stack.native = None
+    theirs = [(o.logits, o.hidden) for passes in batches(eng) for o in eng.forward(passes)]
+    assert 0 < len(calls) < 5, "some batches (short windows only) run in C++, the others in Python"
+    for (lo, ho), (lt, ht) in zip(ours, theirs):
+        assert torch.equal(lo, lt)
+        assert (ho is None) == (ht is None) and (ho is None or torch.equal(ho, ht))

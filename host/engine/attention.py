@@ -124,7 +124,8 @@ def _attend(g: Group, kv, query, scaling):
     return out.transpose(0, 1).flatten(1, 2)[:, g.q_valid].unsqueeze(0)
 
 
-def _kernel_plan(g: Group, dev) -> tuple:
+def kernel_plan(g: Group, dev) -> tuple:
+    """The kernel's arguments after the pool and the query, for a group of short windows."""
     starts, windows, frozen = torch.tensor(g.passes, device=dev)  # three contiguous rows
     ctx = g.ctx_slots if g.ctx_slots is not None else _NO_SLOTS
     return ctx, g.ctx_range[0] if g.ctx_range is not None else 0, starts, windows, frozen
@@ -152,7 +153,7 @@ def attend(meta: BatchMeta, layer: int, query: torch.Tensor, key: torch.Tensor, 
     for g in meta.groups:
         if kernel is not None and g.passes is not None:
             if g.plan is None:
-                g.plan = _kernel_plan(g, query.device)
+                g.plan = kernel_plan(g, query.device)
             kernel(out[0], query[0], kv, *g.plan, scaling)
         elif g.rows is None:
             out[:] = _attend(g, kv, query, scaling)

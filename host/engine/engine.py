@@ -155,13 +155,13 @@ class Engine:
         self._decoder = model.get_decoder()
         self._lm_head = Readout(model.get_output_embeddings())
         self.linears = PackedLinears(self._decoder)
-        # the layers without transformers' per-layer Python, where the architecture allows (stack.py);
-        # None runs transformers' forward (a benchmark's baseline may set it so)
-        self.stack = LayerStack.of(model, self.linears)
         # short windows' attention reads the paged pool in place (kernels.py) on CPU float32; None
         # runs SDPA over gathered contexts, the other devices' path (tests and benchmarks compare)
-        self.attention_kernel = (kernels.paged_attention() if self.device_type == "cpu"
-                                 and self.dtype == torch.float32 and head_dim % 16 == 0 else None)
+        cpu32 = self.device_type == "cpu" and self.dtype == torch.float32
+        self.attention_kernel = kernels.paged_attention() if cpu32 and head_dim % 16 == 0 else None
+        # the layers without transformers' per-layer Python, where the architecture allows (stack.py),
+        # their loop in C++ where the kernels are; None runs transformers' forward (a baseline may)
+        self.stack = LayerStack.of(model, self.linears, kernels.layer_stack() if self.attention_kernel else None)
         # the readout's hidden state is the last layer's output before the final norm (what MTP
         # heads take): on transformers' path, kept from the norm's input
         self._prenorm: torch.Tensor | None = None

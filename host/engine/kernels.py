@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / "paged_attention.cpp"]
+SOURCES = [Path(__file__).with_name("csrc") / f for f in ("module.cpp", "paged_attention.cpp", "layer_stack.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own pool
 
 
@@ -45,6 +45,12 @@ def paged_attention() -> Callable | None:
     """The paged attention kernel for short windows (csrc/paged_attention.cpp), or None."""
     mod = _module()
     return mod.paged_attention if mod is not None else None
+
+
+def layer_stack() -> Callable | None:
+    """stack.py's layer loop called from C++ (csrc/layer_stack.cpp), or None."""
+    mod = _module()
+    return mod.layer_stack if mod is not None else None
 
 
 def main() -> None:

@@ -137,16 +137,26 @@ class PackedLinears:
 
         return forward
 
+    @property
+    def on(self) -> bool:
+        """Whether the packed products are in use now (inside `active()`, and enabled)."""
+        return self._on
+
+    @staticmethod
+    def packed(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed weight and bias of the sibling linears' one product, or None: not packed."""
+        group = getattr(mods[0], "_pie_group", (None,))[0]
+        if group is not None and [getattr(m, "_pie_group", None) for m in mods] == [(group, i) for i in range(len(group.sizes))]:
+            return group.packed, group.bias
+        if len(mods) == 1 and getattr(mods[0], "_pie_packed", None) is not None:
+            return mods[0]._pie_packed, mods[0].bias
+        return None
+
     def product(self, mods: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
         """x -> the sibling linears' outputs side by side, as one tensor: the packed product of
         their fused group (or of the one packed layer) while `active()`, else the stock layers."""
-        group = getattr(mods[0], "_pie_group", (None,))[0]
-        if group is not None and [getattr(m, "_pie_group", None) for m in mods] == [(group, i) for i in range(len(group.sizes))]:
-            fast = functools.partial(packed_linear, packed=group.packed, bias=group.bias)
-        elif len(mods) == 1 and getattr(mods[0], "_pie_packed", None) is not None:
-            fast = functools.partial(packed_linear, packed=mods[0]._pie_packed, bias=mods[0].bias)
-        else:
-            fast = None
+        wb = self.packed(mods)
+        fast = None if wb is None else functools.partial(packed_linear, packed=wb[0], bias=wb[1])
         stocks = [getattr(m, "_pie_stock", m.forward) for m in mods]
 
         def stock(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ this loop does the same arithmetic with about 20 operators per layer: q/k/v and 
 from one product each (linear.py), RoPE rotates q and k together, and no module machinery
 runs between them.
 It reads every weight, norm epsilon and rotary table from the loaded transformers model, so it
-holds no copy of the model. Each operator computes what transformers' code computes, in the
+holds no copy of the model. On the CPU in float32, a batch of short windows (decode rows,
+verification windows) runs the same loop in C++ (csrc/layer_stack.cpp), operator for operator:
+`native`, None to run this module's loop. Each operator computes what transformers' code computes, in the
 same order: `tests/test_engine_stack.py` checks the logits are bit-identical on tiny random
 models of each supported architecture. Any other architecture runs transformers' forward
 with the engine's attention hook (attention.py).
@@ -42,9 +44,10 @@ class Layer:
 
 
 class LayerStack:
-    def __init__(self, decoder: torch.nn.Module, linears: PackedLinears):
+    def __init__(self, decoder: torch.nn.Module, linears: PackedLinears, native: Callable | None = None):
         cfg = decoder.config
         self.decoder = decoder
+        self.linears = linears
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inter = cfg.intermediate_size
@@ -56,14 +59,24 @@ class LayerStack:
                 layer.input_layernorm.weight, linears.product([a.q_proj, a.k_proj, a.v_proj]), linears.product([a.o_proj]),
                 layer.post_attention_layernorm.weight, linears.product([m.gate_proj, m.up_proj]),
                 linears.product([m.down_proj]), a.scaling))
+        # the C++ loop's arguments: every product packed, or no C++ loop
+        packed = [[PackedLinears.packed(ms) for ms in ([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj],
+                                                       [ly.self_attn.o_proj], [ly.mlp.gate_proj, ly.mlp.up_proj],
+                                                       [ly.mlp.down_proj])]
+                  for ly in decoder.layers[:cfg.num_hidden_layers]]
+        self.native = native if all(p is not None for ps in packed for p in ps) else None
+        self._weights = [w for ly, ps in zip(self.layers, packed) if self.native
+                         for w in (ly.norm1, ps[0][0], ps[1][0], ly.norm2, ps[2][0], ps[3][0])]
+        self._biases = [p[1] for ps in packed if self.native for p in ps]
+        self._scaling = [ly.scaling for ly in self.layers]
 
     @classmethod
-    def of(cls, model: torch.nn.Module, linears: PackedLinears) -> LayerStack | None:
-        """The stack for a model whose layers it runs exactly, else None."""
+    def of(cls, model: torch.nn.Module, linears: PackedLinears, native: Callable | None = None) -> LayerStack | None:
+        """The stack for a model whose layers it runs exactly, else None. native: kernels.layer_stack."""
         cfg = model.config
         if cfg.model_type not in SUPPORTED or cfg.hidden_act != "silu":
             return None
-        return cls(model.get_decoder(), linears)
+        return cls(model.get_decoder(), linears, native)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' RMSNorm: normalised in float32, scaled in the model's dtype
@@ -83,6 +96,13 @@ class LayerStack:
         cos = cos[0, :, None, :]
         # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated: exactly
         sin = torch.cat([-sin[0, :, None, :half], sin[0, :, None, half:]], -1)
+        g = meta.groups[0]
+        if (self.native is not None and self.linears.on and meta.kernel is not None and len(meta.groups) == 1
+                and g.passes is not None):
+            if g.plan is None:
+                g.plan = attention.kernel_plan(g, x.device)
+            return self.native(x, cos, sin, self._weights, self._biases, dec.norm.weight, meta.kv, meta.slot_mapping,
+                               *g.plan, self._scaling, self.eps, h, kvh, self.inter)
         q_end, k_end = h * hd, (h + kvh) * hd
         for i, ly in enumerate(self.layers):
             qkv = ly.qkv(self._norm(x, ly.norm1))

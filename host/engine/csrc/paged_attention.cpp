@@ -8,7 +8,8 @@
 //
 // Vectors are GCC's vector extensions, 16 floats wide: the compiler lowers them to the target's
 // registers (one AVX-512 register, two AVX ones, four SSE ones), so one source serves them all.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -208,8 +209,4 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch
       }
     }
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention of short query windows (CPU, float32)");
 }
