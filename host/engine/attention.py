@@ -155,9 +155,7 @@ def attend(meta: BatchMeta, layer: int, query: torch.Tensor, key: torch.Tensor, 
             if g.plan is None:
                 g.plan = kernel_plan(g, query.device)
             kernel(out[0], query[0], kv, *g.plan, scaling)
-        elif g.rows is None:
-            out[:] = _attend(g, kv, query, scaling)
-        else:
+        else:  # here a group is never the whole batch: that one returned above, or took the kernel
             out[:, :, g.rows] = _attend(g, kv, query, scaling)
     return out
 

@@ -53,21 +53,21 @@ class LayerStack:
         self.inter = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.layers = []
+        packed = []  # per layer, each product's packed weight and bias (None: not packed)
         for layer in decoder.layers[:cfg.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append(Layer(
-                layer.input_layernorm.weight, linears.product([a.q_proj, a.k_proj, a.v_proj]), linears.product([a.o_proj]),
-                layer.post_attention_layernorm.weight, linears.product([m.gate_proj, m.up_proj]),
-                linears.product([m.down_proj]), a.scaling))
+            products = ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj])
+            qkv, o, gate_up, down = (linears.product(ms) for ms in products)
+            self.layers.append(Layer(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight,
+                                     gate_up, down, a.scaling))
+            packed.append([PackedLinears.packed(ms) for ms in products])
         # the C++ loop's arguments: every product packed, or no C++ loop
-        packed = [[PackedLinears.packed(ms) for ms in ([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj],
-                                                       [ly.self_attn.o_proj], [ly.mlp.gate_proj, ly.mlp.up_proj],
-                                                       [ly.mlp.down_proj])]
-                  for ly in decoder.layers[:cfg.num_hidden_layers]]
         self.native = native if all(p is not None for ps in packed for p in ps) else None
-        self._weights = [w for ly, ps in zip(self.layers, packed) if self.native
-                         for w in (ly.norm1, ps[0][0], ps[1][0], ly.norm2, ps[2][0], ps[3][0])]
-        self._biases = [p[1] for ps in packed if self.native for p in ps]
+        self._weights, self._biases = [], []
+        if self.native is not None:
+            for ly, ps in zip(self.layers, packed):
+                self._weights += [ly.norm1, ps[0][0], ps[1][0], ly.norm2, ps[2][0], ps[3][0]]
+                self._biases += [bias for _, bias in ps]
         self._scaling = [ly.scaling for ly in self.layers]
 
     @classmethod
