@@ -5,13 +5,14 @@
 Each case runs on every path the engine has: transformers' forward and, where the architecture
 allows, the engine's own layer stack (host/engine/stack.py), both with the engine's attention
 kernel where it is built (CPU float32); the stack's loop in C++ where it applies (short windows)
-or in Python; and the stack with SDPA instead (the other devices' path). Each case is one engine pass: a decode window of W rows over a --context-token prefix (all rows
+or in Python; the stack with SDPA instead (the other devices' path); and the stack with
+oneDNN's products for every row count (before csrc/skinny_linear.cpp). Each case is one engine pass: a decode window of W rows over a --context-token prefix (all rows
 read out, fold 0, so the context stays the same), --sets working sets decoding one row each in
 one batch (their contexts' pages interleaved, as concurrent clients' are), or a prefill of N prompt tokens into an empty
 working set. Its wall time is the median of --repeats plain runs; then one run under
 torch.profiler splits the operators' own time by kind:
 
-- products: the linear layers (oneDNN packed or stock) and the lm_head;
+- products: the linear layers (skinny_linear, oneDNN packed, or stock) and the lm_head;
 - attention: the KV pool writes, and the kernel, or the gathers and the SDPA call;
 - norms/activations: RMSNorm, RoPE, SiLU, residual adds and the other elementwise ops;
 - other ops: views, copies, index tensors;
@@ -33,14 +34,17 @@ import time
 import torch
 
 from host import store
+from host.engine import linear
 from host.engine.engine import Pass
+from host.engine.readout import Readout
 
 from .common import machine, on_compute, table, write
 
-KERNEL = "pie::paged_attention"  # the engine's kernel is no torch operator: the profiler sees this name
+# the engine's own kernels (csrc/) are no torch operators: each records itself under this prefix
+KERNELS = "pie::"
 
 KINDS = {
-    "products": ("linear", "addmm", "mm", "matmul", "bmm", "_linear_pointwise", "mkldnn"),
+    "products": ("linear", "addmm", "mm", "matmul", "bmm", "_linear_pointwise", "mkldnn", "skinny_linear"),
     "attention": ("scaled_dot_product", "flash_attention", "index_copy", "index_select", "_efficient_attention",
                   "softmax", "baddbmm", "paged_attention"),
     "norms/activations": ("pow", "mean", "rsqrt", "mul", "add", "silu", "neg", "cat", "tanh", "sub", "div", "cos",
@@ -70,7 +74,7 @@ def main(argv=None) -> dict:
 
 
 def _is_op(name: str) -> bool:
-    return name.startswith(("aten::", "mkldnn::", KERNEL))
+    return name.startswith(("aten::", "mkldnn::", KERNELS))
 
 
 def _inside_op(event) -> bool:
@@ -103,22 +107,22 @@ def _weight_bytes(engine) -> int:
 
 def _run(args) -> dict:
     engine = store.open_engine(args.model, kv_pages=max(256, (args.sets + 2) * (args.context + max(args.prefill + [16])) // 16 + 64))
-    stack, kernel = engine.stack, engine.attention_kernel
+    stack, kernel, readout = engine.stack, engine.attention_kernel, engine._lm_head
     native = stack.native if stack is not None else None
+    skinny_rows = linear.SKINNY_ROWS
+    # the products as they were before skinny_linear: oneDNN for every row count, the lm_head too
+    onednn_readout = Readout(readout.head, blocked=True)
 
-    def recorded(*a):
-        with torch.profiler.record_function(KERNEL):
-            return kernel(*a)
-
-    # name: (layer stack, attention kernel, the stack's C++ loop); the C++ loop calls the kernel
-    # itself, so its attention shows in "other ops"/"outside ops" of a profile, not "attention"
-    paths = {"transformers": (None, kernel is not None, False)}
+    # name: (layer stack, attention kernel, the stack's C++ loop, few-row products)
+    paths = {"transformers": (None, kernel is not None, False, True)}
     if stack is not None:
-        paths["stack"] = (stack, kernel is not None, native is not None)
+        paths["stack"] = (stack, kernel is not None, native is not None, True)
         if native is not None:
-            paths["stack, Python loop"] = (stack, True, False)
+            paths["stack, Python loop"] = (stack, True, False, True)
         if kernel is not None:
-            paths["stack, SDPA"] = (stack, False, False)
+            paths["stack, SDPA"] = (stack, False, False, True)
+        if readout.packed is not None and readout.packed.skinny is not None:
+            paths["stack, oneDNN products"] = (stack, kernel is not None, native is not None, False)
     prefix = [(7 * i) % 1000 + 100 for i in range(max([args.context, *args.prefill]))]
     ws = engine.new_working_set()
     engine.forward([Pass(ws, prefix[:args.context], [0])])
@@ -139,10 +143,12 @@ def _run(args) -> dict:
 
     def once(make, path, around=None):
         """One case's pass on one path (inside `around`, a profiler, if given): its wall time."""
-        engine.stack, with_kernel, with_native = paths[path]
-        engine.attention_kernel = (recorded if around else kernel) if with_kernel else None
+        engine.stack, with_kernel, with_native, with_skinny = paths[path]
+        engine.attention_kernel = kernel if with_kernel else None
         if stack is not None:
             stack.native = native if with_native else None
+        linear.SKINNY_ROWS = skinny_rows if with_skinny else 0
+        engine._lm_head = readout if with_skinny else onednn_readout
         passes = make()
         with around or contextlib.nullcontext():
             t0 = time.perf_counter()
@@ -181,7 +187,8 @@ def _run(args) -> dict:
                          "outside_ops_ms": max(prof_wall - in_ops, 0.0) * 1e3, "op_calls": calls,
                          "dispatch_est_ms": calls * op_cost * 1e3,
                          "product_gb_s": weights / by_kind["products"] / 1e9 if by_kind["products"] else float("nan")})
-    engine.stack, engine.attention_kernel = stack, kernel
+    engine.stack, engine.attention_kernel, engine._lm_head = stack, kernel, readout
+    linear.SKINNY_ROWS = skinny_rows
     if stack is not None:
         stack.native = native
     heads = ["case", "path", "wall ms", "profiled ms", "products ms", "attention ms", "norms/act ms", "other ops ms",

@@ -1,10 +1,12 @@
-"""The engine's layer stack (host/engine/stack.py) against transformers' forward, bit for bit.
+"""The engine's layer stack (host/engine/stack.py) against transformers' forward.
 
 Each supported architecture gets a tiny random model; one engine runs the same batches through
-its layer stack and through transformers' forward (with the engine's attention hook), with the
-packed products and the attention kernel (the CPU's path), and with the stock layers and SDPA
-(the path CUDA takes), and the logits and hidden states must be equal exactly, not to a
-tolerance: the stack claims the same arithmetic.
+its layer stack and through transformers' forward (with the engine's attention hook). With the
+stock layers, SDPA and torch's operators (the path CUDA takes) the logits and hidden states must
+be equal exactly, not to a tolerance: the stack claims the same arithmetic. With the CPU's
+kernels (packed products, the attention kernel, the row ops) the norms and SiLU round
+differently from transformers' operators, so they must agree to float tolerance, and the
+C++ loop must equal the Python loop exactly.
 """
 
 from __future__ import annotations
@@ -59,8 +61,12 @@ def batches(eng):
 def outputs(model, stack: bool, packed: bool, kernel: bool = True):
     eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
     eng.linears.enabled = packed
-    if not kernel:  # SDPA over gathered contexts: the attention other devices run
+    if not kernel:  # SDPA over gathered contexts and torch's operators: what other devices run
         eng.attention_kernel = None
+        if eng.stack is not None:
+            eng.stack.rows = None
+    elif eng.stack is not None:
+        assert eng.stack.rows is not None, "the CPU's row ops should be built and used here"
     if not stack:
         eng.stack = None
     out = []
@@ -76,15 +82,17 @@ CASES = [(t, {}) for t in SUPPORTED] + [("llama", {"attention_bias": True, "mlp_
 
 @pytest.mark.parametrize("model_type,extra", CASES, ids=[t + "-bias" * bool(x) for t, x in CASES])
 @pytest.mark.parametrize("packed,kernel", [(True, True), (False, False)], ids=["packed-kernel", "stock-sdpa"])
-def test_the_stack_equals_transformers_forward_exactly(model_type, extra, packed, kernel):
+def test_the_stack_computes_transformers_forward(model_type, extra, packed, kernel):
     model = tiny_model(model_type, **extra)
     eng, ours = outputs(model, stack=True, packed=packed, kernel=kernel)
     assert eng.stack is not None, f"{model_type} should run on the layer stack"
     _, theirs = outputs(model, stack=False, packed=packed, kernel=kernel)
     assert len(ours) == len(theirs) == 10
+    # exact on torch's operators; the row ops' norms and SiLU round differently (~1e-7 here)
+    same = torch.equal if not kernel else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     for (lo, ho), (lt, ht) in zip(ours, theirs):
-        assert torch.equal(lo, lt)
-        assert (ho is None) == (ht is None) and (ho is None or torch.equal(ho, ht))
+        assert same(lo, lt)
+        assert (ho is None) == (ht is None) and (ho is None or same(ho, ht))
 
 
 def test_the_stack_matches_the_eager_reference_model():
@@ -114,7 +122,7 @@ def test_other_layers_run_transformers_forward():
 
 @pytest.mark.parametrize("model_type,extra", CASES, ids=[t + "-bias" * bool(x) for t, x in CASES])
 def test_the_cpp_loop_equals_the_python_loop_exactly(model_type, extra):
-    """csrc/layer_stack.cpp calls stack.py's operators from C++: the same bits, where it runs
+    """csrc/layer_stack.cpp makes stack.py's calls from C++: the same bits, where it runs
     (CPU float32, packed products, batches of short windows) and otherwise stack.py runs."""
     model = tiny_model(model_type, **extra)
     eng, _ = outputs(model, stack=True, packed=True)

@@ -135,10 +135,12 @@ def attend(meta: BatchMeta, layer: int, query: torch.Tensor, key: torch.Tensor, 
            scaling: float) -> torch.Tensor:
     """Write the batch's new K/V rows into `layer`'s pool and attend its queries.
     query: [1, heads, T, head_dim]; key, value: [T, kv_heads, head_dim], the batch's rows in
-    order. Returns [1, heads, T, head_dim]. Shared by the hook below and the layer stack."""
+    order, or None where the caller has written them already (the CPU kernels' rope_store).
+    Returns [1, heads, T, head_dim]. Shared by the hook below and the layer stack."""
     kv = meta.kv[layer]  # [2, kv_heads, slots, D]
-    kv[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
-    kv[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1))
+    if key is not None:
+        kv[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
+        kv[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1))
     kernel = meta.kernel
     if kernel is None or all(g.passes is None for g in meta.groups):
         if len(meta.groups) == 1 and meta.groups[0].rows is None:

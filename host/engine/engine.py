@@ -161,7 +161,8 @@ class Engine:
         self.attention_kernel = kernels.paged_attention() if cpu32 and head_dim % 16 == 0 else None
         # the layers without transformers' per-layer Python, where the architecture allows (stack.py),
         # their loop in C++ where the kernels are; None runs transformers' forward (a baseline may)
-        self.stack = LayerStack.of(model, self.linears, kernels.layer_stack() if self.attention_kernel else None)
+        self.stack = LayerStack.of(model, self.linears, kernels.layer_stack() if self.attention_kernel else None,
+                                   kernels.row_ops() if cpu32 else None)
         # the readout's hidden state is the last layer's output before the final norm (what MTP
         # heads take): on transformers' path, kept from the norm's input
         self._prenorm: torch.Tensor | None = None

@@ -1,10 +1,15 @@
-"""The decoder's linear layers on CPU float32, through oneDNN with prepacked weights.
+"""The decoder's linear layers on CPU float32, with their weights packed once for fast products.
 
-A verify window or a batch of decode rows multiplies a few rows (2 to ~16) by every weight
-of the model. MKL's default `linear` handles that skinny product about as if it ran once per
-row, so a 2-row pass cost ~1.5x a 1-row pass on this machine although the pass is bound by
-reading the weights, which every row shares. oneDNN's matmul over weights reordered once into
-its blocked layout reads them once: measured with `python -m bench.linear`. The product is the
+A decode pass or a verification window multiplies a few rows (1 to ~16) by every weight of the
+model, and such a product is bound by reading the weights from memory. MKL's default `linear`
+handles it about as if it ran once per row. Two packed layouts do better, each where it is best
+(`python -m bench.linear`):
+
+- few rows (up to `SKINNY_ROWS`): csrc/skinny_linear.cpp, one forward stream through each
+  block of columns; a row's result does not depend on the rows around it;
+- more rows (prompt passes, big batches): oneDNN's matmul over its own blocked layout.
+
+Where the compiled kernels are not built, oneDNN takes every row count. The products are the
 same up to float summation order.
 
 Sibling projections that transformers calls one after another on the same input (q/k/v,
@@ -21,13 +26,28 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+
+from . import kernels
 
 PACK_ROWS = 8  # the row count oneDNN tunes the blocked layout for; measured best for 1-16 rows
+SKINNY_ROWS = 32  # products of up to this many rows take skinny_linear (measured: bench.linear)
 # children of one module that the model code calls in this order on one input tensor
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One product's weight in the layouts the CPU's products read, and its bias."""
+    outputs: int
+    skinny: torch.Tensor | None  # skinny_linear's blocks; None: the kernels are not built
+    blocked: torch.Tensor | None  # oneDNN's layout, for more rows; None: `weight` takes them
+    weight: torch.Tensor | None  # the plain weight, where there is no blocked copy
+    bias: torch.Tensor | None
 
 
 def _packable(module: torch.nn.Module) -> bool:
@@ -36,21 +56,38 @@ def _packable(module: torch.nn.Module) -> bool:
             and w.dtype == torch.float32 and torch.backends.mkldnn.is_available())
 
 
-def pack(module: torch.nn.Module) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a linear module's weight, or None where the fast path does not apply."""
-    return _pack(module.weight.detach()) if _packable(module) else None
+def pack(module: torch.nn.Module, blocked: bool = True) -> Packed | None:
+    """A linear module's packed weight, or None where the fast path does not apply. blocked=False
+    keeps no oneDNN copy: more rows than SKINNY_ROWS then read the module's own weight (the
+    readout's choice: its weight is large and its passes read out few rows)."""
+    if not _packable(module):
+        return None
+    return _pack(module.weight.detach(), module.bias, blocked)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-    except (AttributeError, RuntimeError):
-        return None  # this torch build has no oneDNN linear: keep the stock layer
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool = True) -> Packed | None:
+    ops = kernels.skinny()
+    skinny = ops.pack(weight) if ops is not None else None
+    dnn = None
+    if blocked or skinny is None:
+        try:
+            dnn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        except (AttributeError, RuntimeError):
+            if skinny is None:
+                return None  # this torch build has no oneDNN linear: keep the stock layer
+    return Packed(weight.shape[0], skinny, dnn, None if dnn is not None else weight,
+                  None if bias is None else bias.detach())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     lead = x.shape[:-1]
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    x = x.reshape(-1, x.shape[-1])
+    if packed.skinny is not None and x.shape[0] <= SKINNY_ROWS:
+        y = kernels.skinny().linear(x, packed.skinny, packed.bias, packed.outputs)
+    elif packed.blocked is not None:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed.blocked, packed.bias, "none", [], "")
+    else:
+        y = F.linear(x, packed.weight, packed.bias)
     return y.view(*lead, y.shape[-1])
 
 
@@ -59,19 +96,20 @@ class FusedGroup:
     output in one product, and each sibling then takes its own columns. A sibling called on
     another tensor, or twice, recomputes, so the result never depends on the call order."""
 
-    def __init__(self, mods: list[torch.nn.Module], packed: torch.Tensor):
+    def __init__(self, mods: list[torch.nn.Module], packed: Packed):
         self.packed = packed
         self.sizes = [m.out_features for m in mods]
-        biases = [m.bias for m in mods]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else torch.zeros(n, dtype=packed.dtype) for b, n in zip(biases, self.sizes)])
         self.clear()
 
     @classmethod
     def of(cls, mods: list[torch.nn.Module]) -> FusedGroup | None:
         if len({m.in_features for m in mods}) != 1 or not all(_packable(m) for m in mods):
             return None
-        packed = _pack(torch.cat([m.weight.detach() for m in mods]))
+        biases = [m.bias for m in mods]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype)
+             for b, m in zip(biases, mods)])
+        packed = _pack(torch.cat([m.weight.detach() for m in mods]), bias)
         return None if packed is None else cls(mods, packed)
 
     def clear(self) -> None:
@@ -80,7 +118,7 @@ class FusedGroup:
 
     def take(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self._x is not x or self._parts[i] is None:
-            self._x, self._parts = x, list(packed_linear(x, self.packed, self.bias).split(self.sizes, -1))
+            self._x, self._parts = x, list(packed_linear(x, self.packed).split(self.sizes, -1))
         part, self._parts[i] = self._parts[i], None
         if all(p is None for p in self._parts):
             self.clear()  # drop the reference to the input
@@ -120,13 +158,13 @@ class PackedLinears:
             if packed is not None:
                 m._pie_packed = packed
                 m._pie_stock = getattr(m, "_pie_stock", m.forward)
-                m.forward = self._forward(m._pie_stock, packed, m.bias)
+                m.forward = self._forward(m._pie_stock, packed)
                 self.count += 1
 
-    def _forward(self, stock, packed: torch.Tensor, bias: torch.Tensor | None):
+    def _forward(self, stock, packed: Packed):
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return packed_linear(x, packed, bias) if self._on else stock(x)
+            return packed_linear(x, packed) if self._on else stock(x)
 
         return forward
 
@@ -143,20 +181,20 @@ class PackedLinears:
         return self._on
 
     @staticmethod
-    def packed(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The packed weight and bias of the sibling linears' one product, or None: not packed."""
+    def packed(mods: list[torch.nn.Module]) -> Packed | None:
+        """The packed weight of the sibling linears' one product, or None: not packed."""
         group = getattr(mods[0], "_pie_group", (None,))[0]
         if group is not None and [getattr(m, "_pie_group", None) for m in mods] == [(group, i) for i in range(len(group.sizes))]:
-            return group.packed, group.bias
+            return group.packed
         if len(mods) == 1 and getattr(mods[0], "_pie_packed", None) is not None:
-            return mods[0]._pie_packed, mods[0].bias
+            return mods[0]._pie_packed
         return None
 
     def product(self, mods: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
         """x -> the sibling linears' outputs side by side, as one tensor: the packed product of
         their fused group (or of the one packed layer) while `active()`, else the stock layers."""
-        wb = self.packed(mods)
-        fast = None if wb is None else functools.partial(packed_linear, packed=wb[0], bias=wb[1])
+        packed = self.packed(mods)
+        fast = None if packed is None else functools.partial(packed_linear, packed=packed)
         stocks = [getattr(m, "_pie_stock", m.forward) for m in mods]
 
         def stock(x: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,16 @@ this loop does the same arithmetic with about 20 operators per layer: q/k/v and 
 from one product each (linear.py), RoPE rotates q and k together, and no module machinery
 runs between them.
 It reads every weight, norm epsilon and rotary table from the loaded transformers model, so it
-holds no copy of the model. On the CPU in float32, a batch of short windows (decode rows,
-verification windows) runs the same loop in C++ (csrc/layer_stack.cpp), operator for operator:
-`native`, None to run this module's loop. Each operator computes what transformers' code computes, in the
+holds no copy of the model. Each operator computes what transformers' code computes, in the
 same order: `tests/test_engine_stack.py` checks the logits are bit-identical on tiny random
 models of each supported architecture. Any other architecture runs transformers' forward
 with the engine's attention hook (attention.py).
+
+On the CPU in float32, `rows` (csrc/row_ops.cpp) does each layer's elementwise steps in three
+calls instead of some thirty operators: the norms and SiLU then round differently from
+transformers' (the tests compare within float tolerance). A batch of short windows (decode
+rows, verification windows) runs this loop in C++ (csrc/layer_stack.cpp), call for call and
+bit for bit: `native`, None to run this module's loop.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from . import attention
+from . import linear
+from .kernels import RowOps
 from .linear import PackedLinears
 
 # model_type -> the layer this module runs; each is checked bit-identical by the tests
@@ -44,10 +50,12 @@ class Layer:
 
 
 class LayerStack:
-    def __init__(self, decoder: torch.nn.Module, linears: PackedLinears, native: Callable | None = None):
+    def __init__(self, decoder: torch.nn.Module, linears: PackedLinears, native: Callable | None = None,
+                 rows: RowOps | None = None):
         cfg = decoder.config
         self.decoder = decoder
         self.linears = linears
+        self.rows = rows
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inter = cfg.intermediate_size
@@ -61,22 +69,26 @@ class LayerStack:
             self.layers.append(Layer(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight,
                                      gate_up, down, a.scaling))
             packed.append([PackedLinears.packed(ms) for ms in products])
-        # the C++ loop's arguments: every product packed, or no C++ loop
-        self.native = native if all(p is not None for ps in packed for p in ps) else None
-        self._weights, self._biases = [], []
+        # the C++ loop's arguments: every product packed in both layouts, or no C++ loop
+        products = [p for ps in packed for p in ps]
+        both = all(p is not None and p.skinny is not None and p.blocked is not None for p in products)
+        self.native = native if both and rows is not None else None
+        self._native_args = []
         if self.native is not None:
-            for ly, ps in zip(self.layers, packed):
-                self._weights += [ly.norm1, ps[0][0], ps[1][0], ly.norm2, ps[2][0], ps[3][0]]
-                self._biases += [bias for _, bias in ps]
+            norms = [w for ly in self.layers for w in (ly.norm1, ly.norm2)]
+            self._native_args = [norms, [p.skinny for p in products], [p.blocked for p in products],
+                                 [p.bias for p in products]]
         self._scaling = [ly.scaling for ly in self.layers]
 
     @classmethod
-    def of(cls, model: torch.nn.Module, linears: PackedLinears, native: Callable | None = None) -> LayerStack | None:
-        """The stack for a model whose layers it runs exactly, else None. native: kernels.layer_stack."""
+    def of(cls, model: torch.nn.Module, linears: PackedLinears, native: Callable | None = None,
+           rows: RowOps | None = None) -> LayerStack | None:
+        """The stack for a model whose layers it runs, else None. native: kernels.layer_stack;
+        rows: kernels.row_ops (CPU float32), None for torch's operators."""
         cfg = model.config
         if cfg.model_type not in SUPPORTED or cfg.hidden_act != "silu":
             return None
-        return cls(model.get_decoder(), linears, native)
+        return cls(model.get_decoder(), linears, native, rows)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' RMSNorm: normalised in float32, scaled in the model's dtype
@@ -97,13 +109,23 @@ class LayerStack:
         # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated: exactly
         sin = torch.cat([-sin[0, :, None, :half], sin[0, :, None, half:]], -1)
         g = meta.groups[0]
-        if (self.native is not None and self.linears.on and meta.kernel is not None and len(meta.groups) == 1
-                and g.passes is not None):
+        rows = self.rows
+        if (self.native is not None and rows is not None and self.linears.on and meta.kernel is not None
+                and len(meta.groups) == 1 and g.passes is not None):
             if g.plan is None:
                 g.plan = attention.kernel_plan(g, x.device)
-            return self.native(x, cos, sin, self._weights, self._biases, dec.norm.weight, meta.kv, meta.slot_mapping,
-                               *g.plan, self._scaling, self.eps, h, kvh, self.inter)
+            return self.native(x, cos, sin, *self._native_args, linear.SKINNY_ROWS, dec.norm.weight, meta.kv,
+                               meta.slot_mapping, *g.plan, self._scaling, self.eps, h, kvh, self.inter)
         q_end, k_end = h * hd, (h + kvh) * hd
+        if rows is not None:  # the CPU kernels' steps, the C++ loop's calls
+            delta = None  # what the last layer adds to x, before the next norm
+            for i, ly in enumerate(self.layers):
+                x, normed = rows.residual_norm(x, delta, ly.norm1, self.eps)
+                q = rows.rope_store(ly.qkv(normed), cos, sin, meta.kv[i], meta.slot_mapping, h, kvh)
+                out = attention.attend(meta, i, q.transpose(0, 1)[None], None, None, ly.scaling)
+                x, normed = rows.residual_norm(x, ly.o(out[0].transpose(0, 1).reshape(t, q_end)), ly.norm2, self.eps)
+                delta = ly.down(rows.silu_mul(ly.gate_up(normed), self.inter))
+            return rows.residual_norm(x, delta, dec.norm.weight, self.eps)
         for i, ly in enumerate(self.layers):
             qkv = ly.qkv(self._norm(x, ly.norm1))
             qk = qkv[:, :k_end].view(t, h + kvh, hd)  # q's and k's heads side by side: one rotation

@@ -2,5 +2,10 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of short query windows (CPU, float32)");
+  m.def("skinny_pack", &skinny_pack, "a [N, K] weight in skinny_linear's column blocks");
+  m.def("skinny_linear", &skinny_linear, "x @ W.T + b for few rows of x, from skinny_pack's blocks");
+  m.def("residual_norm", &residual_norm, "(x + delta, RMSNorm(x + delta) * weight), row by row");
+  m.def("rope_store", &rope_store, "RoPE on q and k; k and v written to the pool's slots; returns q [T, heads, D]");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up from [gate | up]");
   m.def("layer_stack", &layer_stack, "the Llama layer stack over packed products, for short windows");
 }

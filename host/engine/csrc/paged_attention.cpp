@@ -5,12 +5,11 @@
 // kernel reads each context row where it lies in the pool. Each query row is computed alone, in
 // an order that does not depend on the rest of the batch: a row gets the same result in a
 // one-row decode pass and inside a batch or a verification window.
-//
-// Vectors are GCC's vector extensions, 16 floats wide: the compiler lowers them to the target's
-// registers (one AVX-512 register, two AVX ones, four SSE ones), so one source serves them all.
 #include "kernels.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cstring>
@@ -19,23 +18,9 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+using namespace pie;
 
 const vi kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-inline vf splat(float x) { return vf{} + x; }
 
 // Context rows lie in pages scattered over the pool, where the hardware prefetcher does not
 // follow: each row is fetched a page (16 rows, the default page size) before it is read.
@@ -45,41 +30,10 @@ inline void prefetch_row(const float* p, int64_t d) {
   for (int64_t i = 0; i < d; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
 }
 
-inline float hsum(vf v) {
-  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
   return m;
-}
-
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, range-reduced by ln 2 in two
-// parts, a degree-5 polynomial, and the power of two put into the exponent bits. Within ~2 ulp;
-// inputs below -87 give ~1e-38 instead of a denormal.
-inline vf exp_nonpositive(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  vf t = x * splat(1.44269504088896341f) + splat(0.5f);
-  vi n = __builtin_convertvector(t, vi);  // truncates toward zero: floor for t >= 0
-  n = n + (__builtin_convertvector(n, vf) > t);  // mask is -1 where truncation went up: floor
-  vf fn = __builtin_convertvector(n, vf);
-  vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
-  vf z = r * r;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * z + r + splat(1.0f);
-  vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 }  // namespace
@@ -96,6 +50,7 @@ inline vf exp_nonpositive(vf x) {
 // rows, whatever its block.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor ctx, int64_t base,
                      torch::Tensor starts, torch::Tensor windows, torch::Tensor frozen, double scale) {
+  RECORD_FUNCTION("pie::paged_attention", std::vector<c10::IValue>());  // named in profiles
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv.scalar_type() == torch::kFloat32 &&
                   out.scalar_type() == torch::kFloat32,
               "paged_attention: float32 only");

@@ -1,0 +1,102 @@
+"""The few-row product (host/engine/csrc/skinny_linear.cpp) against a float64 reference, for the
+property speculative decoding leans on (a row's result does not depend on the rows around it),
+its refusals, and where linear.py sends products of each row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from host.engine import kernels, linear
+
+
+@pytest.fixture(scope="module")
+def ops():
+    k = kernels.skinny()
+    assert k is not None, "the CPU kernels should build here (make's set-up builds them)"
+    return k
+
+
+def weights(n, k, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g) if bias else None
+
+
+@pytest.mark.parametrize("n,k", [(64, 16), (100, 37), (960, 576), (7, 5), (130, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_it_computes_x_times_w_transposed_plus_b(ops, n, k, bias):
+    w, b = weights(n, k, bias)
+    x = torch.randn(13, k)
+    y = ops.linear(x, ops.pack(w), b, n)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.shape == (13, n) and y.is_contiguous()
+    assert torch.allclose(y.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch(ops):
+    w, b = weights(200, 96)
+    packed = ops.pack(w)
+    x = torch.randn(40, 96)
+    whole = ops.linear(x, packed, b, 200)
+    for r in range(40):  # alone, and at every place in batches of other sizes
+        assert torch.equal(ops.linear(x[r:r + 1], packed, b, 200)[0], whole[r])
+    for lo, hi in [(0, 5), (3, 9), (7, 20), (11, 40)]:
+        assert torch.equal(ops.linear(x[lo:hi], packed, b, 200), whole[lo:hi])
+    # a strided view of the rows gives the same bits as a contiguous copy
+    assert torch.equal(ops.linear(x.t().contiguous().t(), packed, b, 200), whole)
+
+
+def test_no_rows_give_an_empty_result(ops):
+    w, b = weights(70, 8)
+    assert ops.linear(torch.empty(0, 8), ops.pack(w), b, 70).shape == (0, 70)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("columns", "columns"),
+    ("outputs-over", "do not fit"),
+    ("outputs-under", "do not fit"),
+    ("bias", "bias"),
+    ("dtype", "float32"),
+    ("weight", "skinny_pack"),
+])
+def test_bad_arguments_are_refused(ops, case, message):
+    w, b = weights(100, 16)
+    packed, x, n = ops.pack(w), torch.randn(3, 16), 100
+    if case == "columns":
+        x = torch.randn(3, 17)
+    elif case == "outputs-over":
+        n = 129
+    elif case == "outputs-under":
+        n = 64  # a whole block would be left unused: not this weight's output count
+    elif case == "bias":
+        b = torch.randn(99)
+    elif case == "dtype":
+        x = x.double()
+    elif case == "weight":
+        packed = w
+    with pytest.raises(RuntimeError, match=message):
+        ops.linear(x, packed, b, n)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.pack(w.double())
+
+
+def test_linear_py_sends_few_rows_to_the_kernel_and_more_to_onednn(ops):
+    mod = torch.nn.Linear(96, 150)
+    packed = linear.pack(mod)
+    assert packed.skinny is not None and packed.blocked is not None and packed.outputs == 150
+    few = torch.randn(linear.SKINNY_ROWS, 96)
+    assert torch.equal(linear.packed_linear(few, packed), ops.linear(few, packed.skinny, packed.bias, 150))
+    many = torch.randn(linear.SKINNY_ROWS + 1, 96)
+    want = torch.ops.mkldnn._linear_pointwise(many, packed.blocked, packed.bias, "none", [], "")
+    assert torch.equal(linear.packed_linear(many, packed), want)
+    # leading dimensions are kept, as nn.Linear keeps them
+    assert linear.packed_linear(torch.randn(2, 3, 96), packed).shape == (2, 3, 150)
+
+
+def test_without_a_blocked_copy_more_rows_read_the_plain_weight():
+    mod = torch.nn.Linear(96, 150)
+    packed = linear.pack(mod, blocked=False)  # the readout's choice
+    assert packed.blocked is None and torch.equal(packed.weight, mod.weight)
+    many = torch.randn(linear.SKINNY_ROWS + 5, 96)
+    with torch.no_grad():
+        assert torch.allclose(linear.packed_linear(many, packed), mod(many), atol=1e-5)
