@@ -1,11 +1,14 @@
-"""Whole-model pass time by window length, the decoder's linear layers stock vs packed.
+"""Whole-model pass time by window length, with each of the decoder's product paths.
 
-    python -m bench.linear [--model NAME] [--windows 1 2 4 8 16] [--context 300]
+    python -m bench.linear [--model NAME] [--windows 1 2 4 8 16 32 48 64] [--context 300]
 
 One working set holds a prefix of --context tokens; each case runs a pass of W rows (all read
-out, fold 0, so the context stays the same) with the engine's packed linears off and on,
-interleaved, and reports the median of --repeats. A batch of 8 one-row passes (8 working
-sets) is the batched-decode case. Also checks both paths give the same logits to tolerance.
+out, fold 0, so the context stays the same) with the products stock (MKL's `linear`), packed
+for oneDNN at every row count, and packed as the engine runs them (host/engine/linear.py:
+skinny_linear up to SKINNY_ROWS rows, oneDNN beyond), interleaved, and reports the median of
+--repeats. A batch of 8 one-row passes (8 working sets) is the batched-decode case. The readout
+(lm_head) takes the same path as the layers. Also checks the paths give the same logits to
+tolerance. Writes JSON and a table to results/.
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ import time
 import torch
 
 from host import store
+from host.engine import linear
 from host.engine.engine import Pass
+from host.engine.readout import Readout
 
 from .common import machine, on_compute, table, write
+
+PATHS = ("stock", "oneDNN", "engine")
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--windows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--windows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args(argv)
@@ -37,42 +44,51 @@ def _run(args) -> dict:
     engine = store.open_engine(args.model, kv_pages=max(256, pages))
     if not engine.linears.count:
         raise SystemExit(f"the packed path does not apply here ({engine.info.dtype} on {engine.info.device})")
-    prefix = [(7 * i) % 1000 + 100 for i in range(args.context)]
+    prefix = [(7 * i) % 1000 + 100 for i in range(max(args.context, *args.windows))]
     sets = [engine.new_working_set() for _ in range(8)]
-    engine.forward([Pass(ws, prefix, [0]) for ws in sets])
+    engine.forward([Pass(ws, prefix[:args.context], [0]) for ws in sets])
 
     cases = {f"{w} rows": [Pass(sets[0], prefix[:w], list(range(w)), fold=0)] for w in args.windows}
     cases["8 x 1 row"] = [Pass(ws, prefix[:1], [0], fold=0) for ws in sets]
+    readout, skinny_rows = engine._lm_head, linear.SKINNY_ROWS
+    readouts = {"stock": readout.head, "oneDNN": Readout(readout.head, blocked=True), "engine": readout}
 
-    def once(passes, on: bool):
-        engine.linears.enabled = on
-        t0 = time.perf_counter()
-        outs = engine.forward(passes)
-        return time.perf_counter() - t0, torch.cat([o.logits for o in outs])
+    def once(passes, path: str):
+        engine.linears.enabled = path != "stock"
+        linear.SKINNY_ROWS = skinny_rows if path == "engine" else 0
+        engine._lm_head = readouts[path]
+        try:
+            t0 = time.perf_counter()
+            outs = engine.forward(passes)
+            dt = time.perf_counter() - t0
+        finally:
+            engine.linears.enabled, linear.SKINNY_ROWS, engine._lm_head = True, skinny_rows, readout
+        return dt, torch.cat([o.logits for o in outs])
 
-    times = {(c, on): [] for c in cases for on in (False, True)}
+    times = {(c, p): [] for c in cases for p in PATHS}
     diff = {}
-    for name, passes in cases.items():  # warm both paths and compare their logits
-        diff[name] = (once(passes, False)[1] - once(passes, True)[1]).abs().max().item()
+    for name, passes in cases.items():  # warm every path and compare their logits with stock's
+        stock = once(passes, "stock")[1]
+        diff[name] = max((once(passes, p)[1] - stock).abs().max().item() for p in PATHS[1:])
     for _ in range(args.repeats):
         for name, passes in cases.items():
-            for on in (False, True):
-                times[(name, on)].append(once(passes, on)[0])
-    engine.linears.enabled = True
+            for p in PATHS:
+                times[(name, p)].append(once(passes, p)[0])
     rows = []
-    one = statistics.median(times[(f"{args.windows[0]} rows", True)])
+    one = statistics.median(times[(f"{args.windows[0]} rows", "engine")]) * 1e3
     for name in cases:
-        off, on = (statistics.median(times[(name, x)]) * 1e3 for x in (False, True))
-        rows.append({"case": name, "stock_ms": off, "packed_ms": on, "speedup": off / on,
-                     "packed_vs_first": on / (one * 1e3), "max_abs_logit_diff": diff[name]})
+        stock, dnn, ours = (statistics.median(times[(name, p)]) * 1e3 for p in PATHS)
+        rows.append({"case": name, "stock_ms": stock, "onednn_ms": dnn, "engine_ms": ours,
+                     "onednn_over_engine": dnn / ours, "engine_vs_first": ours / one, "max_abs_logit_diff": diff[name]})
     md = (f"Model pass time, {engine.info.name} ({engine.info.dtype}, {engine.info.device}), context "
-          f"{args.context}, median ms of {args.repeats}; {engine.linears.count} linear layers\n\n"
-          + table(["case", "stock linear ms", "packed ms", "speedup", f"packed / {args.windows[0]} row",
+          f"{args.context}, median ms of {args.repeats}, paths interleaved; {engine.linears.count} linear layers; "
+          f"engine: skinny_linear up to {skinny_rows} rows, oneDNN beyond\n\n"
+          + table(["case", "stock ms", "oneDNN ms", "engine ms", "oneDNN / engine", f"engine / {args.windows[0]} row",
                    "max |logit diff|"],
-                  [[r["case"], r["stock_ms"], r["packed_ms"], r["speedup"], r["packed_vs_first"],
-                    f"{r['max_abs_logit_diff']:.1e}"] for r in rows]))
+                  [[r["case"], r["stock_ms"], r["onednn_ms"], r["engine_ms"], r["onednn_over_engine"],
+                    r["engine_vs_first"], f"{r['max_abs_logit_diff']:.1e}"] for r in rows]))
     path = write("linear", {"benchmark": "linear", "model": engine.info.name, "machine": machine(),
-                            "context": args.context, "rows": rows}, md)
+                            "context": args.context, "skinny_rows": skinny_rows, "rows": rows}, md)
     print(md)
     print(f"\nwrote {path}")
     return {"rows": rows}

@@ -1,31 +1,32 @@
 // The engine's CPU kernels (host/engine/kernels.py builds them into one module, module.cpp).
 #pragma once
 
-#include <torch/extension.h>
+// ATen alone, not torch/extension.h: it compiles in a fraction of the time (module.cpp binds)
+#include <ATen/ATen.h>
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor ctx, int64_t base,
-                     torch::Tensor starts, torch::Tensor windows, torch::Tensor frozen, double scale);
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx, int64_t base,
+                     at::Tensor starts, at::Tensor windows, at::Tensor frozen, double scale);
 
-std::tuple<torch::Tensor, torch::Tensor> layer_stack(
-    torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& norms,
-    const std::vector<torch::Tensor>& skinny, const std::vector<torch::Tensor>& blocked,
-    const std::vector<std::optional<torch::Tensor>>& biases, int64_t skinny_rows, torch::Tensor final_norm, torch::Tensor kv,
-    torch::Tensor slot_mapping, torch::Tensor ctx, int64_t base, torch::Tensor starts, torch::Tensor windows,
-    torch::Tensor frozen, const std::vector<double>& scaling, double eps, int64_t heads, int64_t kv_heads,
+std::tuple<at::Tensor, at::Tensor> layer_stack(
+    at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& norms,
+    const std::vector<at::Tensor>& skinny, const std::vector<at::Tensor>& blocked,
+    const std::vector<std::optional<at::Tensor>>& biases, int64_t skinny_rows, at::Tensor final_norm, at::Tensor kv,
+    at::Tensor slot_mapping, at::Tensor ctx, int64_t base, at::Tensor starts, at::Tensor windows,
+    at::Tensor frozen, const std::vector<double>& scaling, double eps, int64_t heads, int64_t kv_heads,
     int64_t inter);
 
-torch::Tensor skinny_pack(torch::Tensor weight);
+at::Tensor skinny_pack(at::Tensor weight);
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias, int64_t n);
+at::Tensor skinny_linear(at::Tensor x, at::Tensor packed, const std::optional<at::Tensor>& bias, int64_t n);
 
-std::tuple<torch::Tensor, torch::Tensor> residual_norm(torch::Tensor x, const std::optional<torch::Tensor>& delta,
-                                                       torch::Tensor weight, double eps);
+std::tuple<at::Tensor, at::Tensor> residual_norm(at::Tensor x, const std::optional<at::Tensor>& delta,
+                                                       at::Tensor weight, double eps);
 
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
-                         torch::Tensor slots, int64_t heads, int64_t kv_heads);
+at::Tensor rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kv,
+                         at::Tensor slots, int64_t heads, int64_t kv_heads);
 
-torch::Tensor silu_mul(torch::Tensor gate_up, int64_t inter);
+at::Tensor silu_mul(at::Tensor gate_up, int64_t inter);

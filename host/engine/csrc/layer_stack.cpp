@@ -11,7 +11,7 @@
 
 namespace {
 
-using torch::Tensor;
+using at::Tensor;
 
 // linear.py's packed_linear: few rows through skinny_linear, more through oneDNN
 Tensor packed_linear(const Tensor& x, const Tensor& skinny, const Tensor& blocked, const std::optional<Tensor>& bias,

@@ -20,7 +20,7 @@ namespace {
 
 using namespace pie;
 
-const vi kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+const vi kIota = iota();
 
 // Context rows lie in pages scattered over the pool, where the hardware prefetcher does not
 // follow: each row is fetched a page (16 rows, the default page size) before it is read.
@@ -48,11 +48,11 @@ inline float hmax(vf v) {
 // for all the block's rows and heads. A batch of few passes is cut into blocks of fewer rows,
 // so that every thread gets work. A row's arithmetic is that of a one-row pass with frozen[b] + i
 // rows, whatever its block.
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor ctx, int64_t base,
-                     torch::Tensor starts, torch::Tensor windows, torch::Tensor frozen, double scale) {
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx, int64_t base,
+                     at::Tensor starts, at::Tensor windows, at::Tensor frozen, double scale) {
   RECORD_FUNCTION("pie::paged_attention", std::vector<c10::IValue>());  // named in profiles
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv.scalar_type() == torch::kFloat32 &&
-                  out.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat,
               "paged_attention: float32 only");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv.dim() == 4 && kv.is_contiguous() && q.sizes() == out.sizes(),
               "paged_attention: shapes");
@@ -61,11 +61,11 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch
               "paged_attention: head_dim must be a multiple of ", kLanes, " and heads of kv_heads");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: q and out need a unit last stride");
   for (const auto& x : {starts, windows, frozen})
-    TORCH_CHECK(x.scalar_type() == torch::kLong && x.is_contiguous() && x.numel() == starts.numel(),
+    TORCH_CHECK(x.scalar_type() == at::kLong && x.is_contiguous() && x.numel() == starts.numel(),
                 "paged_attention: starts, windows and frozen are one int64 entry per pass");
   const int64_t passes = starts.numel(), group = heads / kv_heads, chunks = d / kLanes;
   const bool runs = ctx.numel() == 0;
-  TORCH_CHECK(runs || (ctx.scalar_type() == torch::kLong && ctx.is_contiguous() && ctx.dim() == 2 &&
+  TORCH_CHECK(runs || (ctx.scalar_type() == at::kLong && ctx.is_contiguous() && ctx.dim() == 2 &&
                        ctx.size(0) == passes),
               "paged_attention: ctx is [passes, longest context] int64, or empty");
   const int64_t ctx_len = runs ? 0 : ctx.size(1);

@@ -19,8 +19,8 @@ using namespace pie;
 
 namespace {
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.stride(1) == 1,
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(1) == 1,
               name, ": CPU float32 [rows, n] with unit column stride");
 }
 
@@ -48,20 +48,20 @@ void norm_row(const float* __restrict h, const float* __restrict w, float* __res
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> residual_norm(torch::Tensor x, const std::optional<torch::Tensor>& delta,
-                                                       torch::Tensor weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> residual_norm(at::Tensor x, const std::optional<at::Tensor>& delta,
+                                                       at::Tensor weight, double eps) {
   RECORD_FUNCTION("pie::residual_norm", std::vector<c10::IValue>());
   check_rows(x, "residual_norm: x");
   const int64_t t = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat &&
                   weight.is_contiguous(), "residual_norm: weight is float32 [", n, "]");
-  torch::Tensor h = x.contiguous();
+  at::Tensor h = x.contiguous();
   if (delta.has_value()) {
     check_rows(*delta, "residual_norm: delta");
     TORCH_CHECK(delta->sizes() == x.sizes(), "residual_norm: delta is ", delta->sizes(), ", x ", x.sizes());
-    h = torch::empty_like(h);
+    h = at::empty_like(h);
   }
-  torch::Tensor y = torch::empty({t, n}, x.options());
+  at::Tensor y = at::empty({t, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
   const int64_t xs = x.stride(0), ds = delta.has_value() ? delta->stride(0) : 0;
@@ -96,26 +96,26 @@ __attribute__((optimize("fp-contract=off"))) static void rope_row(const float* _
   }
 }
 
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
-                         torch::Tensor slots, int64_t heads, int64_t kv_heads) {
+at::Tensor rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kv,
+                         at::Tensor slots, int64_t heads, int64_t kv_heads) {
   RECORD_FUNCTION("pie::rope_store", std::vector<c10::IValue>());
   check_rows(qkv, "rope_store: qkv");
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.size(1) == kv_heads && kv.is_contiguous() &&
-                  kv.scalar_type() == torch::kFloat32,
+                  kv.scalar_type() == at::kFloat,
               "rope_store: kv is one layer's pool, float32 [2, ", kv_heads, ", slots, D]");
   const int64_t t = qkv.size(0), d = kv.size(3), pool = kv.size(2);
   TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * d, "rope_store: qkv has ", qkv.size(1),
               " columns, not (", heads, " + 2 * ", kv_heads, ") * ", d);
-  const torch::Tensor c = cos.contiguous().view({-1}), s = sin.contiguous().view({-1});
-  TORCH_CHECK(c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32 && c.numel() == t * d &&
+  const at::Tensor c = cos.contiguous().view({-1}), s = sin.contiguous().view({-1});
+  TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && c.numel() == t * d &&
                   s.numel() == t * d, "rope_store: cos and sin are float32 [T, 1, ", d, "]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == torch::kLong,
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong,
               "rope_store: one int64 slot per row");
-  const torch::Tensor sl = slots.contiguous();
+  const at::Tensor sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t r = 0; r < t; ++r)
     TORCH_CHECK(sp[r] >= 0 && sp[r] < pool, "rope_store: slot ", sp[r], " is outside the pool's ", pool);
-  torch::Tensor q = torch::empty({t, heads, d}, qkv.options());
+  at::Tensor q = at::empty({t, heads, d}, qkv.options());
   const float* xp = qkv.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
   const float* snp = s.data_ptr<float>();
@@ -137,12 +137,12 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up, int64_t inter) {
+at::Tensor silu_mul(at::Tensor gate_up, int64_t inter) {
   RECORD_FUNCTION("pie::silu_mul", std::vector<c10::IValue>());
   check_rows(gate_up, "silu_mul: gate_up");
   TORCH_CHECK(gate_up.size(1) == 2 * inter, "silu_mul: gate_up has ", gate_up.size(1), " columns, not 2 * ", inter);
   const int64_t t = gate_up.size(0), gs = gate_up.stride(0);
-  torch::Tensor y = torch::empty({t, inter}, gate_up.options());
+  at::Tensor y = at::empty({t, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): the exponent is -|g| either way, never positive

@@ -1,18 +1,24 @@
-// Float vectors for the engine's CPU kernels: GCC's vector extensions, 16 floats wide. The
-// compiler lowers them to the target's registers (one AVX-512 register, two AVX ones, four SSE
-// ones), so one source serves them all.
+// Float vectors for the engine's CPU kernels: GCC's vector extensions, one of the target's
+// registers wide (16 floats on AVX-512, 8 on AVX2 and elsewhere). Wider than a register, GCC
+// keeps arrays of them on the stack and a kernel runs several times slower.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace pie {
 
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
 
 inline vf load(const float* p) {
   vf v;
@@ -24,11 +30,33 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf splat(float x) { return vf{} + x; }
 
+// acc + w * x in one rounding, spelled out: left to itself GCC contracts a multiply and an add
+// in some loops and not in others, and the same row could then get other bits elsewhere
+inline vf fmadd(vf w, float x, vf acc) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)w, _mm512_set1_ps(x), (__m512)acc);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)w, _mm256_set1_ps(x), (__m256)acc);
+#else
+  for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(w[l], x, acc[l]);
+  return acc;
+#endif
+}
+
+// the lanes summed as a tree of halves: ((l0 + l8) + (l4 + l12)) + ... on 16 lanes
 inline float hsum(vf v) {
-  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  float l[kLanes];
+  std::memcpy(l, &v, sizeof l);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) l[i] += l[i + w];
+  return l[0];
+}
+
+// 0, 1, ..., kLanes - 1
+inline vi iota() {
+  vi v;
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
 }
 
 // exp(x) for x <= 0 (attention scores minus their maximum, silu's exp(-|x|)): Cephes' expf, range-reduced by ln 2 in two
