@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import statistics
@@ -49,6 +50,35 @@ def load_hf(engine):
 
     path = store.read_record(engine.info.name).path
     return on_compute(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype).to(engine.device).eval())
+
+
+class ProductPaths:
+    """The engine's products, run one of three ways while a `use` block lasts, for the benchmarks
+    that compare them: "engine" (host/engine/linear.py: skinny_linear up to SKINNY_ROWS rows,
+    oneDNN beyond), "oneDNN" (oneDNN's packed copy for every row count, the lm_head too: the
+    products before skinny_linear) and "stock" (torch's linear, unpacked)."""
+
+    NAMES = ("stock", "oneDNN", "engine")
+
+    def __init__(self, engine):
+        from host.engine import linear
+        from host.engine.readout import Readout
+
+        self._engine, self._linear = engine, linear
+        self.readout, self.skinny_rows = engine._lm_head, linear.SKINNY_ROWS
+        self._readouts = {"stock": self.readout.head, "oneDNN": Readout(self.readout.head, blocked=True),
+                          "engine": self.readout}
+
+    @contextlib.contextmanager
+    def use(self, path: str):
+        engine, linear = self._engine, self._linear
+        engine.linears.enabled = path != "stock"
+        linear.SKINNY_ROWS = self.skinny_rows if path == "engine" else 0
+        engine._lm_head = self._readouts[path]
+        try:
+            yield
+        finally:
+            engine.linears.enabled, linear.SKINNY_ROWS, engine._lm_head = True, self.skinny_rows, self.readout
 
 
 def machine() -> dict:

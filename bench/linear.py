@@ -20,13 +20,11 @@ import time
 import torch
 
 from host import store
-from host.engine import linear
 from host.engine.engine import Pass
-from host.engine.readout import Readout
 
-from .common import machine, on_compute, table, write
+from .common import ProductPaths, machine, on_compute, table, write
 
-PATHS = ("stock", "oneDNN", "engine")
+PATHS = ProductPaths.NAMES
 
 
 def main(argv=None) -> dict:
@@ -50,19 +48,14 @@ def _run(args) -> dict:
 
     cases = {f"{w} rows": [Pass(sets[0], prefix[:w], list(range(w)), fold=0)] for w in args.windows}
     cases["8 x 1 row"] = [Pass(ws, prefix[:1], [0], fold=0) for ws in sets]
-    readout, skinny_rows = engine._lm_head, linear.SKINNY_ROWS
-    readouts = {"stock": readout.head, "oneDNN": Readout(readout.head, blocked=True), "engine": readout}
+    products = ProductPaths(engine)
+    skinny_rows = products.skinny_rows
 
     def once(passes, path: str):
-        engine.linears.enabled = path != "stock"
-        linear.SKINNY_ROWS = skinny_rows if path == "engine" else 0
-        engine._lm_head = readouts[path]
-        try:
+        with products.use(path):
             t0 = time.perf_counter()
             outs = engine.forward(passes)
             dt = time.perf_counter() - t0
-        finally:
-            engine.linears.enabled, linear.SKINNY_ROWS, engine._lm_head = True, skinny_rows, readout
         return dt, torch.cat([o.logits for o in outs])
 
     times = {(c, p): [] for c in cases for p in PATHS}

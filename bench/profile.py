@@ -34,11 +34,9 @@ import time
 import torch
 
 from host import store
-from host.engine import linear
 from host.engine.engine import Pass
-from host.engine.readout import Readout
 
-from .common import machine, on_compute, table, write
+from .common import ProductPaths, machine, on_compute, table, write
 
 # the engine's own kernels (csrc/) are no torch operators: each records itself under this prefix
 KERNELS = "pie::"
@@ -107,11 +105,10 @@ def _weight_bytes(engine) -> int:
 
 def _run(args) -> dict:
     engine = store.open_engine(args.model, kv_pages=max(256, (args.sets + 2) * (args.context + max(args.prefill + [16])) // 16 + 64))
-    stack, kernel, readout = engine.stack, engine.attention_kernel, engine._lm_head
+    stack, kernel = engine.stack, engine.attention_kernel
     native = stack.native if stack is not None else None
-    skinny_rows = linear.SKINNY_ROWS
-    # the products as they were before skinny_linear: oneDNN for every row count, the lm_head too
-    onednn_readout = Readout(readout.head, blocked=True)
+    products = ProductPaths(engine)
+    readout = products.readout
 
     # name: (layer stack, attention kernel, the stack's C++ loop, few-row products)
     paths = {"transformers": (None, kernel is not None, False, True)}
@@ -147,10 +144,8 @@ def _run(args) -> dict:
         engine.attention_kernel = kernel if with_kernel else None
         if stack is not None:
             stack.native = native if with_native else None
-        linear.SKINNY_ROWS = skinny_rows if with_skinny else 0
-        engine._lm_head = readout if with_skinny else onednn_readout
         passes = make()
-        with around or contextlib.nullcontext():
+        with products.use("engine" if with_skinny else "oneDNN"), around or contextlib.nullcontext():
             t0 = time.perf_counter()
             engine.forward(passes)
             dt = time.perf_counter() - t0
@@ -187,8 +182,7 @@ def _run(args) -> dict:
                          "outside_ops_ms": max(prof_wall - in_ops, 0.0) * 1e3, "op_calls": calls,
                          "dispatch_est_ms": calls * op_cost * 1e3,
                          "product_gb_s": weights / by_kind["products"] / 1e9 if by_kind["products"] else float("nan")})
-    engine.stack, engine.attention_kernel, engine._lm_head = stack, kernel, readout
-    linear.SKINNY_ROWS = skinny_rows
+    engine.stack, engine.attention_kernel = stack, kernel
     if stack is not None:
         stack.native = native
     heads = ["case", "path", "wall ms", "profiled ms", "products ms", "attention ms", "norms/act ms", "other ops ms",

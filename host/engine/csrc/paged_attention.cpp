@@ -26,10 +26,6 @@ const vi kIota = iota();
 // follow: each row is fetched a page (16 rows, the default page size) before it is read.
 constexpr int64_t kAhead = 16;
 
-inline void prefetch_row(const float* p, int64_t d) {
-  for (int64_t i = 0; i < d; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
-}
-
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
@@ -110,7 +106,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
       auto row = [&](int64_t i, int64_t h) { return (i - i0) * group + h; };
       // scores: context row j is seen by window rows i >= j - f
       for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) prefetch_row(keys + slot[j + kAhead] * d, d);
+        if (j + kAhead < len) prefetch(keys + slot[j + kAhead] * d, d);
         const float* k = keys + slot[j] * d;
         for (int64_t i = std::max(j - f, i0); i < i1; ++i) {
           for (int64_t h = 0; h < group; ++h) {
@@ -146,7 +142,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
       // the weighted sum of the values, each value row read once for the rows that see it
       std::fill(acc.begin(), acc.begin() + (i1 - i0) * group * chunks, vf{});
       for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) prefetch_row(values + slot[j + kAhead] * d, d);
+        if (j + kAhead < len) prefetch(values + slot[j + kAhead] * d, d);
         const float* v = values + slot[j] * d;
         for (int64_t r = row(std::max(j - f, i0), 0); r < row(i1, 0); ++r) {
           const vf p = splat(score[r * width + j]);

@@ -44,7 +44,7 @@ void block_rows(const float* __restrict w, const float* __restrict x, int64_t k,
     for (int j = 0; j < kVecs; ++j) acc[m][j] = vf{};
   for (int64_t i = 0; i < k; ++i) {
     const float* wi = w + i * kBlock;
-    for (int j = 0; j < kBlock; j += 16) __builtin_prefetch(wi + kPrefetch + j);
+    prefetch(wi + kPrefetch, kBlock);
     vf wv[kVecs];
     for (int j = 0; j < kVecs; ++j) wv[j] = load(wi + kLanes * j);
     for (int m = 0; m < R; ++m) {

@@ -30,6 +30,11 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf splat(float x) { return vf{} + x; }
 
+// the cache lines (64 bytes) of the n floats at p, fetched ahead of their reading
+inline void prefetch(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
+}
+
 // acc + w * x in one rounding, spelled out: left to itself GCC contracts a multiply and an add
 // in some loops and not in others, and the same row could then get other bits elsewhere
 inline vf fmadd(vf w, float x, vf acc) {
