@@ -14,7 +14,7 @@ from host.conformance.models import TinyTokenizer
 from host.engine import Engine, kernels
 from test_engine_stack import batches, tiny_model
 
-KV_HEADS, HEADS, D, SLOTS = 2, 6, 32, 256
+KV_HEADS, HEADS, D, SLOTS = 2, 6, 32, 1024
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,8 @@ def empty_out(q):
     ([1], [0]),  # one row, one key
     ([1] * 8, [5, 16, 17, 40, 0, 31, 33, 100]),  # decode rows: lengths on, off and past the 16 lanes
     ([4, 1, 7, 16], [12, 60, 0, 3]),  # verification windows of mixed lengths
+    # contexts of several segments (128 rows each), windows that cross a segment's end
+    ([1, 4, 2, 8, 1], [300, 125, 127, 250, 511]),
 ])
 def test_the_kernel_equals_attention_in_float64(kernel, windows, frozen):
     q, kv, ctx, starts, wins, fz = problem(len(windows), windows, frozen)
@@ -83,10 +85,10 @@ def test_a_context_that_is_one_run_of_slots_reads_from_its_base(kernel):
 def test_a_row_gets_the_same_bits_alone_and_in_a_window(kernel):
     """Each row of a batch of verification windows, computed again as a one-row pass over the
     same context (what plain decoding computes for it): equal exactly, not to a tolerance."""
-    q, kv, ctx, starts, wins, fz = problem(3, [4, 1, 7], [12, 60, 9])
+    q, kv, ctx, starts, wins, fz = problem(3, [4, 1, 7, 9], [12, 60, 9, 250])
     batch = empty_out(q)
     kernel(batch, q, kv, ctx, 0, starts, wins, fz, 0.2)
-    for b in range(3):
+    for b in range(4):
         for i in range(wins[b]):
             r = int(starts[b]) + i
             one = empty_out(q)

@@ -32,6 +32,40 @@ inline float hmax(vf v) {
   return m;
 }
 
+// A row's context is cut into segments of this many rows, each its own task, merged at the end
+// as a flash-decoding kernel does: a one-row pass has work for every thread. The cut depends on
+// the row's context length alone, so the row's arithmetic does too.
+constexpr int64_t kSegment = 128;
+constexpr int64_t kMaxChunks = 256 / kLanes;  // head_dim up to 256
+
+// Context rows per tile of the weighted sum: 64 value rows of 64 floats fill half of a 32 KiB L1.
+constexpr int64_t kTile = 64;
+
+// a[0..n) += p[j] * value row slot[j], for j in [j0, j1), in order; n vectors per row, slices of
+// N in registers. Rows before `ahead` are fetched kAhead rows before their reading.
+template <int N>
+inline void weigh_slices(vf* a, int64_t n, const float* p, const float* values, const int64_t* slot, int64_t d,
+                         int64_t j0, int64_t j1, int64_t ahead) {
+  for (int64_t c0 = 0; c0 < n; c0 += N) {
+    vf r[N];
+    for (int c = 0; c < N; ++c) r[c] = a[c0 + c];
+    for (int64_t j = j0; j < j1; ++j) {
+      if (c0 == 0 && j + kAhead < ahead) prefetch(values + slot[j + kAhead] * d, d);
+      const float* v = values + slot[j] * d + c0 * kLanes;
+      for (int c = 0; c < N; ++c) r[c] = fmadd(load(v + c * kLanes), p[j], r[c]);
+    }
+    for (int c = 0; c < N; ++c) a[c0 + c] = r[c];
+  }
+}
+
+inline void weigh(vf* a, int64_t n, const float* p, const float* values, const int64_t* slot, int64_t d,
+                  int64_t j0, int64_t j1, int64_t ahead) {
+  if (n % 8 == 0) return weigh_slices<8>(a, n, p, values, slot, d, j0, j1, ahead);
+  if (n % 4 == 0) return weigh_slices<4>(a, n, p, values, slot, d, j0, j1, ahead);
+  if (n % 2 == 0) return weigh_slices<2>(a, n, p, values, slot, d, j0, j1, ahead);
+  weigh_slices<1>(a, n, p, values, slot, d, j0, j1, ahead);
+}
+
 }  // namespace
 
 // For each pass b, each row i < windows[b] of its window, and each query head h:
@@ -40,10 +74,11 @@ inline float hmax(vf v) {
 // where context row j is pool slot ctx[b, j], or base + j when ctx is empty (one pass whose
 // context is one run of slots). kv: one layer's pool, [2, kv_heads, slots, D], contiguous. q and
 // out: [heads, T, D] with any strides but the last; query head h reads kv head h / (heads / kv_heads).
-// One task is one pass, one kv head and a block of the window's rows: a context row is read once
-// for all the block's rows and heads. A batch of few passes is cut into blocks of fewer rows,
-// so that every thread gets work. A row's arithmetic is that of a one-row pass with frozen[b] + i
-// rows, whatever its block.
+// One task is one pass, one kv head, a block of the window's rows and one segment of the context:
+// a context row is read once for all the block's rows and heads. Scores are taken kLanes context
+// rows at a time (lane_sums), the weighted values a tile at a time. A batch of few passes is cut
+// into blocks of fewer rows, so that every thread gets work. A row's arithmetic is that of a
+// one-row pass with frozen[b] + i rows, whatever its block.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx, int64_t base,
                      at::Tensor starts, at::Tensor windows, at::Tensor frozen, double scale) {
   RECORD_FUNCTION("pie::paged_attention", std::vector<c10::IValue>());  // named in profiles
@@ -53,8 +88,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv.dim() == 4 && kv.is_contiguous() && q.sizes() == out.sizes(),
               "paged_attention: shapes");
   const int64_t heads = q.size(0), t = q.size(1), d = q.size(2), kv_heads = kv.size(1), slots = kv.size(2);
-  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == d && d % kLanes == 0 && heads % kv_heads == 0,
-              "paged_attention: head_dim must be a multiple of ", kLanes, " and heads of kv_heads");
+  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == d && d % kLanes == 0 && d <= kMaxChunks * kLanes &&
+                  heads % kv_heads == 0,
+              "paged_attention: head_dim must be a multiple of ", kLanes, " up to ", kMaxChunks * kLanes,
+              ", and heads of kv_heads");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: q and out need a unit last stride");
   for (const auto& x : {starts, windows, frozen})
     TORCH_CHECK(x.scalar_type() == at::kLong && x.is_contiguous() && x.numel() == starts.numel(),
@@ -83,81 +120,127 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
   const float* vp = kp + kv_heads * slots * d;
   const int64_t qs_h = q.stride(0), qs_t = q.stride(1), os_h = out.stride(0), os_t = out.stride(1);
   const float sc = static_cast<float>(scale);
-  const int64_t width = (longest + kLanes - 1) / kLanes * kLanes;
+  const int64_t segs = (longest + kSegment - 1) / kSegment;
   // blocks per window: enough tasks for every thread a few times over, none of them empty
   const int64_t want = 4 * at::get_num_threads();
-  const int64_t blocks = std::min(widest, std::max<int64_t>(1, (want + passes * kv_heads - 1) / (passes * kv_heads)));
+  const int64_t per_block = passes * kv_heads * segs;
+  const int64_t blocks = std::min(widest, std::max<int64_t>(1, (want + per_block - 1) / per_block));
   const int64_t block = (widest + blocks - 1) / blocks;
+  // per (row, head, segment): the segment's weighted values [d], its largest score, its weights' sum
+  const int64_t part_len = d + 2;
+  std::vector<float> parts(t * heads * segs * part_len);
+  auto part = [&](int64_t row, int64_t head, int64_t seg) {
+    return parts.data() + ((row * heads + head) * segs + seg) * part_len;
+  };
 
-  at::parallel_for(0, passes * kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, passes * kv_heads * blocks * segs, 1, [&](int64_t begin, int64_t end) {
     // per (block row, head) r = (i - i0) * group + h: its scores, its running sum of weighted values
-    std::vector<float> score(block * group * width);
+    std::vector<float> score(block * group * kSegment);
     std::vector<vf> acc(block * group * chunks);
-    std::vector<int64_t> slot(longest);
-    std::vector<float> total(block * group);
+    std::vector<int64_t> slot(kSegment);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (kv_heads * blocks), g = task / blocks % kv_heads, f = fp[b];
-      const int64_t i0 = task % blocks * block, i1 = std::min(wp[b], i0 + block), len = f + i1;
-      if (i0 >= i1) continue;  // a window shorter than the widest
-      for (int64_t j = 0; j < len; ++j) slot[j] = runs ? base + j : cp[b * ctx_len + j];
+      const int64_t sg = task % segs, tb = task / segs;
+      const int64_t b = tb / (kv_heads * blocks), g = tb / blocks % kv_heads, f = fp[b];
+      const int64_t i0 = tb % blocks * block, i1 = std::min(wp[b], i0 + block);
+      const int64_t a = sg * kSegment, e = std::min(f + i1, a + kSegment);  // the task's context rows [a, e)
+      if (i0 >= i1 || a >= e) continue;  // a window shorter than the widest, a context shorter than the longest
+      const int64_t n = e - a, groups = (n + kLanes - 1) / kLanes;
+      for (int64_t j = 0; j < n; ++j) slot[j] = runs ? base + a + j : cp[b * ctx_len + a + j];
+      // the last group's lanes past the context read a real row; their scores are masked below
+      for (int64_t j = n; j < groups * kLanes; ++j) slot[j] = slot[n - 1];
       const float* keys = kp + g * slots * d;
       const float* values = vp + g * slots * d;
       auto query = [&](int64_t i, int64_t h) { return qp + (g * group + h) * qs_h + (sp[b] + i) * qs_t; };
       auto row = [&](int64_t i, int64_t h) { return (i - i0) * group + h; };
-      // scores: context row j is seen by window rows i >= j - f
-      for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) prefetch(keys + slot[j + kAhead] * d, d);
-        const float* k = keys + slot[j] * d;
-        for (int64_t i = std::max(j - f, i0); i < i1; ++i) {
+      const int64_t first = std::max(a - f, i0);  // the block's first row that sees row a
+      // scores, kLanes context rows at a time: row i needs the groups up to its own row f + i
+      for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+        for (int64_t j = j0 + kAhead; j < std::min(j0 + kAhead + kLanes, n); ++j) prefetch(keys + slot[j] * d, d);
+        const float* k[kLanes];
+        for (int l = 0; l < kLanes; ++l) k[l] = keys + slot[j0 + l] * d;
+        for (int64_t i = std::max(a + j0 - f, i0); i < i1; ++i) {
           for (int64_t h = 0; h < group; ++h) {
             const float* qi = query(i, h);
-            vf s = load(qi) * load(k);
-            for (int64_t c = 1; c < chunks; ++c) s += load(qi + c * kLanes) * load(k + c * kLanes);
-            score[row(i, h) * width + j] = hsum(s) * sc;
+            vf s[kLanes];
+            const vf q0 = load(qi);
+            for (int l = 0; l < kLanes; ++l) s[l] = q0 * load(k[l]);
+            for (int64_t c = 1; c < chunks; ++c) {
+              const vf qc = load(qi + c * kLanes);
+              for (int l = 0; l < kLanes; ++l) s[l] = fmadd(qc, load(k[l] + c * kLanes), s[l]);
+            }
+            store(score.data() + row(i, h) * kSegment + j0, lane_sums(s) * splat(sc));
           }
         }
       }
-      // softmax weights, unnormalised, over each row's f + i + 1 rows; the padding weighs 0
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t seen = f + i + 1, padded = (seen + kLanes - 1) / kLanes * kLanes;
+      // softmax weights over the segment, unnormalised: row i sees its rows [a, f + i + 1)
+      for (int64_t i = first; i < i1; ++i) {
+        const int64_t seen = std::min(f + i + 1, e) - a, padded = (seen + kLanes - 1) / kLanes * kLanes;
         for (int64_t h = 0; h < group; ++h) {
-          float* s = score.data() + row(i, h) * width;
+          float* s = score.data() + row(i, h) * kSegment;
           for (int64_t j = seen; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
           vf m = load(s);
           for (int64_t j = kLanes; j < padded; j += kLanes) {
             vf x = load(s + j);
             m = x > m ? x : m;
           }
-          const vf top = splat(hmax(m));
+          const float top = hmax(m);
           vf sum{};
           for (int64_t j = 0; j < padded; j += kLanes) {
-            vf e = exp_nonpositive(load(s + j) - top);
-            if (j + kLanes > seen) e = kIota < static_cast<int32_t>(seen - j) ? e : vf{};
-            store(s + j, e);
-            sum += e;
+            vf w = exp_nonpositive(load(s + j) - splat(top));
+            if (j + kLanes > seen) w = kIota < static_cast<int32_t>(seen - j) ? w : vf{};
+            store(s + j, w);
+            sum += w;
           }
-          total[row(i, h)] = hsum(sum);
+          float* pt = part(sp[b] + i, g * group + h, sg);
+          pt[d] = top;
+          pt[d + 1] = hsum(sum);
         }
       }
-      // the weighted sum of the values, each value row read once for the rows that see it
+      // the weighted sum of the values, a tile of context rows at a time (kept in L1 for every
+      // row that sees it), each row's sums in registers across the tile; a row adds its context
+      // rows in order, whatever the tiles
       std::fill(acc.begin(), acc.begin() + (i1 - i0) * group * chunks, vf{});
-      for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) prefetch(values + slot[j + kAhead] * d, d);
-        const float* v = values + slot[j] * d;
-        for (int64_t r = row(std::max(j - f, i0), 0); r < row(i1, 0); ++r) {
-          const vf p = splat(score[r * width + j]);
-          vf* a = acc.data() + r * chunks;
-          for (int64_t c = 0; c < chunks; ++c) a[c] += p * load(v + c * kLanes);
+      for (int64_t j = 0; j < std::min(kAhead, n); ++j) prefetch(values + slot[j] * d, d);
+      for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+        const int64_t j1 = std::min(n, j0 + kTile);
+        for (int64_t i = std::max(a + j0 - f, i0); i < i1; ++i) {
+          const int64_t stop = std::min(j1, f + i + 1 - a);
+          for (int64_t h = 0; h < group; ++h) {
+            const int64_t r = row(i, h);
+            // the tile's first row fetches ahead for the rest, into the next tile
+            const int64_t ahead = i == std::max(a + j0 - f, i0) && h == 0 ? std::min(n, j1 + kAhead) : 0;
+            weigh(acc.data() + r * chunks, chunks, score.data() + r * kSegment, values, slot.data(), d, j0, stop, ahead);
+          }
         }
       }
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t h = 0; h < group; ++h) {
-          const int64_t r = row(i, h);
-          const vf inv = splat(1.0f / total[r]);
-          float* o = op + (g * group + h) * os_h + (sp[b] + i) * os_t;
-          for (int64_t c = 0; c < chunks; ++c) store(o + c * kLanes, acc[r * chunks + c] * inv);
-        }
+      for (int64_t i = first; i < i1; ++i)
+        for (int64_t h = 0; h < group; ++h)
+          std::memcpy(part(sp[b] + i, g * group + h, sg), acc.data() + row(i, h) * chunks, d * sizeof(float));
+    }
+  });
+
+  // each row's segments merged in order: sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, m = max_s m_s
+  // (one segment: acc / l, as a softmax over the whole context)
+  std::vector<std::pair<int64_t, int64_t>> rows;  // (flat row, its visible context length)
+  for (int64_t b = 0; b < passes; ++b)
+    for (int64_t i = 0; i < wp[b]; ++i) rows.emplace_back(sp[b] + i, fp[b] + i + 1);
+  at::parallel_for(0, static_cast<int64_t>(rows.size()) * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [r, seen] = rows[task / heads];
+      const int64_t h = task % heads, n = (seen + kSegment - 1) / kSegment;
+      float top = part(r, h, 0)[d];
+      for (int64_t s = 1; s < n; ++s) top = std::max(top, part(r, h, s)[d]);
+      float total = 0;
+      vf o[kMaxChunks] = {};
+      for (int64_t s = 0; s < n; ++s) {
+        const float* pt = part(r, h, s);
+        const float w = n == 1 ? 1.0f : exp_nonpositive(splat(pt[d] - top))[0];
+        total += w * pt[d + 1];
+        for (int64_t c = 0; c < chunks; ++c) o[c] = fmadd(load(pt + c * kLanes), w, o[c]);
       }
+      const vf inv = splat(1.0f / total);
+      float* dst = op + h * os_h + r * os_t;
+      for (int64_t c = 0; c < chunks; ++c) store(dst + c * kLanes, o[c] * inv);
     }
   });
 }

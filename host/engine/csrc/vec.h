@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -45,6 +46,46 @@ inline vf fmadd(vf w, float x, vf acc) {
 #else
   for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(w[l], x, acc[l]);
   return acc;
+#endif
+}
+
+// acc + a * b, lane by lane, in one rounding (as fmadd above)
+inline vf fmadd(vf a, vf b, vf acc) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+  for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(a[l], b[l], acc[l]);
+  return acc;
+#endif
+}
+
+namespace detail {
+template <int... I>
+inline vf pair_sums(vf x, vf y, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(x, y, (2 * I)...) + __builtin_shufflevector(x, y, (2 * I + 1)...);
+}
+}  // namespace detail
+
+// kLanes vectors in, one out: lane l holds the sum of v[l]'s lanes. Every input is summed by the
+// same tree (neighbouring lanes first), whatever its place, so a sum does not depend on the
+// vectors it was reduced with. A few shuffles for kLanes sums, where hsum takes a store and
+// kLanes - 1 scalar adds for one. v is overwritten.
+inline vf lane_sums(vf* v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // hadd pairs neighbours within each 128-bit half: two rounds leave each input's two half-sums
+  // in the two halves, and one add of the halves finishes them
+  __m256 t[4], u[2];
+  for (int k = 0; k < 4; ++k) t[k] = _mm256_hadd_ps((__m256)v[2 * k], (__m256)v[2 * k + 1]);
+  for (int k = 0; k < 2; ++k) u[k] = _mm256_hadd_ps(t[2 * k], t[2 * k + 1]);
+  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+#else
+  // each round sums neighbouring lanes of two vectors into one: [x0+x1, x2+x3, ..., y0+y1, ...]
+  for (int n = kLanes; n > 1; n /= 2)
+    for (int k = 0; k < n / 2; ++k)
+      v[k] = detail::pair_sums(v[2 * k], v[2 * k + 1], std::make_integer_sequence<int, kLanes>{});
+  return v[0];
 #endif
 }
 
