@@ -20,6 +20,7 @@ from ..errors import InvalidArgument
 from . import attention
 from .linear import PackedLinears
 from .readout import Readout
+from .stack import LayerStack
 from .working_set import WorkingSet
 
 
@@ -63,6 +64,11 @@ class HeadRunner:
         self.draft_vocab_size = w.shape[0]
         self._ids = head.draft_vocab  # head output index -> target id (None: the identity)
         self.linears = PackedLinears(head)
+        # the block runs in the engine's layer stack where the target's layers do (stack.py): the
+        # same calls as one more target layer, over the head's own layer of the pool
+        self._stack = None if engine.stack is None else LayerStack(
+            decoder, self.linears, engine.stack.native, engine.stack.rows, layers=[head.block],
+            final_norm=head.norm, first_layer=layer)
         self._states: dict[int, DraftState] = {}
 
     def bind(self, ws: WorkingSet) -> Binding:
@@ -182,6 +188,9 @@ class HeadRunner:
         meta = attention.BatchMeta(eng.kv, torch.tensor(slots, device=dev), [group], eng.attention_kernel)
         pos = torch.tensor(positions, device=dev)[None]
         e = self._embed(ids)[None]
+        if self._stack is not None:
+            with self.linears.active():
+                return self._stack.run(self.head.fuse(e[0], hidden.to(e.dtype)), pos[0], meta)[0]
         pe = self._rotary(e, pos)
         with self.linears.active():
             g = self.head(e, hidden[None].to(e.dtype), pe, position_ids=pos, pie_batch=meta)

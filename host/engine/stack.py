@@ -51,9 +51,14 @@ class Layer:
 
 class LayerStack:
     def __init__(self, decoder: torch.nn.Module, linears: PackedLinears, native: Callable | None = None,
-                 rows: RowOps | None = None):
+                 rows: RowOps | None = None, layers: list[torch.nn.Module] | None = None,
+                 final_norm: torch.nn.Module | None = None, first_layer: int = 0):
+        """layers, final_norm: what to run (default: the decoder's layers and norm), over the pool's
+        layers from first_layer on (an MTP head's block: its one layer, past the target's)."""
         cfg = decoder.config
         self.decoder = decoder
+        self.final_norm = decoder.norm if final_norm is None else final_norm
+        self.first_layer = first_layer
         self.linears = linears
         self.rows = rows
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -62,7 +67,7 @@ class LayerStack:
         self.eps = cfg.rms_norm_eps
         self.layers = []
         packed = []  # per layer, each product's packed weight and bias (None: not packed)
-        for layer in decoder.layers[:cfg.num_hidden_layers]:
+        for layer in decoder.layers[:cfg.num_hidden_layers] if layers is None else layers:
             a, m = layer.self_attn, layer.mlp
             products = ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj])
             qkv, o, gate_up, down = (linears.product(ms) for ms in products)
@@ -100,8 +105,14 @@ class LayerStack:
                  meta: attention.BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids: [T]. Returns the last layer's output before and after the
         final norm, [T, hidden] each."""
-        dec = self.decoder
-        x = dec.embed_tokens(input_ids)
+        return self.run(self.decoder.embed_tokens(input_ids), position_ids, meta)
+
+    def run(self, x: torch.Tensor, position_ids: torch.Tensor,
+            meta: attention.BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over inputs x [T, hidden] (embedded tokens, or an MTP head's fused input)."""
+        dec, base = self.decoder, self.first_layer
+        final = self.final_norm.weight
+        kv = meta.kv if base == 0 else meta.kv[base:]
         t, hd, h, kvh = x.shape[0], self.head_dim, self.heads, self.kv_heads
         cos, sin = dec.rotary_emb(x[None], position_ids[None])  # [1, T, head_dim]
         half = hd // 2
@@ -114,25 +125,25 @@ class LayerStack:
                 and len(meta.groups) == 1 and g.passes is not None):
             if g.plan is None:
                 g.plan = attention.kernel_plan(g, x.device)
-            return self.native(x, cos, sin, *self._native_args, linear.SKINNY_ROWS, dec.norm.weight, meta.kv,
+            return self.native(x, cos, sin, *self._native_args, linear.SKINNY_ROWS, final, kv,
                                meta.slot_mapping, *g.plan, self._scaling, self.eps, h, kvh, self.inter)
         q_end, k_end = h * hd, (h + kvh) * hd
         if rows is not None:  # the CPU kernels' steps, the C++ loop's calls
             delta = None  # what the last layer adds to x, before the next norm
             for i, ly in enumerate(self.layers):
                 x, normed = rows.residual_norm(x, delta, ly.norm1, self.eps)
-                q = rows.rope_store(ly.qkv(normed), cos, sin, meta.kv[i], meta.slot_mapping, h, kvh)
-                out = attention.attend(meta, i, q.transpose(0, 1)[None], None, None, ly.scaling)
+                q = rows.rope_store(ly.qkv(normed), cos, sin, kv[i], meta.slot_mapping, h, kvh)
+                out = attention.attend(meta, base + i, q.transpose(0, 1)[None], None, None, ly.scaling)
                 x, normed = rows.residual_norm(x, ly.o(out[0].transpose(0, 1).reshape(t, q_end)), ly.norm2, self.eps)
                 delta = ly.down(rows.silu_mul(ly.gate_up(normed), self.inter))
-            return rows.residual_norm(x, delta, dec.norm.weight, self.eps)
+            return rows.residual_norm(x, delta, final, self.eps)
         for i, ly in enumerate(self.layers):
             qkv = ly.qkv(self._norm(x, ly.norm1))
             qk = qkv[:, :k_end].view(t, h + kvh, hd)  # q's and k's heads side by side: one rotation
             qk = qk * cos + torch.roll(qk, half, -1) * sin
             q = qk[:, :h].transpose(0, 1)[None]  # [1, heads, T, head_dim]
-            out = attention.attend(meta, i, q, qk[:, h:], qkv[:, k_end:].view(t, kvh, hd), ly.scaling)
+            out = attention.attend(meta, base + i, q, qk[:, h:], qkv[:, k_end:].view(t, kvh, hd), ly.scaling)
             x = x + ly.o(out[0].transpose(0, 1).reshape(t, q_end))
             gu = ly.gate_up(self._norm(x, ly.norm2))
             x = x + ly.down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
-        return x, self._norm(x, dec.norm.weight)
+        return x, self._norm(x, final)
