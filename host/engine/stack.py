@@ -112,7 +112,7 @@ class LayerStack:
         """The layers over inputs x [T, hidden] (embedded tokens, or an MTP head's fused input)."""
         dec, base = self.decoder, self.first_layer
         final = self.final_norm.weight
-        kv = meta.kv if base == 0 else meta.kv[base:]
+        kv = meta.kv[base:]
         t, hd, h, kvh = x.shape[0], self.head_dim, self.heads, self.kv_heads
         cos, sin = dec.rotary_emb(x[None], position_ids[None])  # [1, T, head_dim]
         half = hd // 2

@@ -202,13 +202,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
       std::fill(acc.begin(), acc.begin() + (i1 - i0) * group * chunks, vf{});
       for (int64_t j = 0; j < std::min(kAhead, n); ++j) prefetch(values + slot[j] * d, d);
       for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-        const int64_t j1 = std::min(n, j0 + kTile);
-        for (int64_t i = std::max(a + j0 - f, i0); i < i1; ++i) {
+        const int64_t j1 = std::min(n, j0 + kTile), from = std::max(a + j0 - f, i0);  // rows that see row a + j0
+        for (int64_t i = from; i < i1; ++i) {
           const int64_t stop = std::min(j1, f + i + 1 - a);
           for (int64_t h = 0; h < group; ++h) {
             const int64_t r = row(i, h);
             // the tile's first row fetches ahead for the rest, into the next tile
-            const int64_t ahead = i == std::max(a + j0 - f, i0) && h == 0 ? std::min(n, j1 + kAhead) : 0;
+            const int64_t ahead = i == from && h == 0 ? std::min(n, j1 + kAhead) : 0;
             weigh(acc.data() + r * chunks, chunks, score.data() + r * kSegment, values, slot.data(), d, j0, stop, ahead);
           }
         }
@@ -234,7 +234,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
       vf o[kMaxChunks] = {};
       for (int64_t s = 0; s < n; ++s) {
         const float* pt = part(r, h, s);
-        const float w = n == 1 ? 1.0f : exp_nonpositive(splat(pt[d] - top))[0];
+        const float w = exp_nonpositive(splat(pt[d] - top))[0];  // exactly 1 where m_s = m
         total += w * pt[d + 1];
         for (int64_t c = 0; c < chunks; ++c) o[c] = fmadd(load(pt + c * kLanes), w, o[c]);
       }
