@@ -1,6 +1,7 @@
 """Each epilogue op against a plain torch reference (CPU), via traced programs."""
 
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,10 +222,10 @@ def test_ngram_lookup_host_equals_the_tensor_kernel():
         k, lo = rng.randint(1, 6), rng.randint(1, 3)
         hi = rng.randint(lo, 4)
         toks, cnt = speculative.ngram_lookup(h, torch.tensor(L), lo, hi, k)
-        htoks, hcnt = speculative.ngram_lookup_host(h, L, lo, hi, k)
+        htoks, hcnt = speculative.ngram_lookup_host(h.numpy(), L, lo, hi, k)
         assert (htoks.tolist(), hcnt) == (toks.tolist(), cnt.tolist()), (h.tolist(), L, k, lo, hi)
     # 256 then 0 holds the bytes of "1, 0" one byte in: that is no occurrence of the suffix 1, 0
-    h = torch.tensor([[256, 0, 0, 5, 1, 0]])
+    h = np.array([[256, 0, 0, 5, 1, 0]])
     assert speculative.ngram_lookup_host(h, None, 2, 2, 2)[1] == [0]
 
 

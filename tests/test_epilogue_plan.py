@@ -219,11 +219,40 @@ def _variant_cases():
         p.put("out", p.history()[:2], p.cast(p.round() > 1, "i64") + 1)
         return p
 
-    return [("argmax", 0, True, greedy_tok), ("index", 0, True, greedy_tok),
-            ("ngram_lookup", 0, True, lambda: ngram(False)), ("ngram_lookup", 1, True, lambda: ngram(True)),
-            ("dyn_slice", 0, True, lambda: dyn_slice(False)), ("dyn_slice", 1, False, lambda: dyn_slice(True)),
-            ("pack", 0, True, lambda: pack(False)), ("pack", 1, False, lambda: pack(True)),
-            ("lru_update", 0, True, lru), ("where", 0, True, where), ("cast", 0, True, cast)]
+    def on_window(fn):
+        """An op on the window (an array in host memory) and a cell of the history, both i64, then a
+        bool of the first cells; the result (cast to i64 if bool) goes to "out"."""
+        def make():
+            p = Program(window=3)
+            p.channel("out", "i64", 8)
+            w, h = p.window(), p.history()
+            r = fn(p, w, h[3], w < 7)
+            p.put("out", r.cast("i64") if r.dtype == "bool" else r)
+            return p
+        return make
+
+    binary = {"add": lambda p, w, x, c: w + x, "sub": lambda p, w, x, c: x - w, "mul": lambda p, w, x, c: w * x,
+              "minimum": lambda p, w, x, c: p.minimum(w, x), "maximum": lambda p, w, x, c: p.maximum(w, x),
+              "eq": lambda p, w, x, c: w == x, "ne": lambda p, w, x, c: w != x, "lt": lambda p, w, x, c: w < x,
+              "le": lambda p, w, x, c: w <= x, "gt": lambda p, w, x, c: w > x, "ge": lambda p, w, x, c: w >= x,
+              "and": lambda p, w, x, c: c & (w == 3), "or": lambda p, w, x, c: c | (w == 3),
+              "xor": lambda p, w, x, c: c ^ (w == 3), "not": lambda p, w, x, c: ~c}
+    arrays = [(name, 0, True, on_window(fn)) for name, fn in binary.items()] + [
+        ("where", 1, True, on_window(lambda p, w, x, c: p.where(c, w, x))),
+        ("cast", 1, True, on_window(lambda p, w, x, c: (w - 3).cast("bool"))),
+        ("any", 0, True, on_window(lambda p, w, x, c: p.where(c.any(), w, x))),
+        ("all", 0, True, on_window(lambda p, w, x, c: p.where(c.all(), w, x))),
+        ("slice", 0, True, on_window(lambda p, w, x, c: w[1:])),
+        ("concat", 0, True, on_window(lambda p, w, x, c: p.concat(w[1:], w))),
+        ("verify_greedy", 0, True, on_window(lambda p, w, x, c: p.verify_greedy(w[1:], p.history()[2:5])[1]))]
+    return arrays + [
+        ("argmax", 0, True, greedy_tok), ("index", 0, True, greedy_tok),
+        ("ngram_lookup", 0, True, lambda: ngram(False)), ("ngram_lookup", 1, True, lambda: ngram(True)),
+        ("dyn_slice", 0, True, lambda: dyn_slice(False)), ("dyn_slice", 1, False, lambda: dyn_slice(False)),
+        ("dyn_slice", 2, False, lambda: dyn_slice(True)),
+        ("pack", 0, True, lambda: pack(False)), ("pack", 1, False, lambda: pack(False)),
+        ("pack", 2, False, lambda: pack(True)),
+        ("lru_update", 0, True, lru), ("where", 0, True, where), ("cast", 0, True, cast)]
 
 
 CASES = _variant_cases()

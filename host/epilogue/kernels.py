@@ -18,6 +18,7 @@ import torch
 from host.epilogue.ir import Op, Value
 
 TORCH_DTYPE = {"i64": torch.int64, "f32": torch.float32, "bool": torch.bool}
+NP_DTYPE = {"i64": np.dtype(np.int64), "f32": np.dtype(np.float32), "bool": np.dtype(np.bool_)}  # in host memory
 DEFAULT_FILL = {"i64": -1, "f32": 0.0, "bool": False}
 _MASK64 = (1 << 64) - 1
 
@@ -77,10 +78,18 @@ class Ctx:
         return torch.stack([uniforms(s, p, stream, salt, shape, self.device) for s, p in zip(self.seeds, self.positions)])
 
 
-def align(t: torch.Tensor, rank: int) -> torch.Tensor:
-    while t.dim() - 1 < rank:
-        t = t.unsqueeze(1)
+def align(t, rank: int):
+    """A batched value [B, ...] (tensor or array) with axes after B added up to `rank` unbatched
+    axes: broadcasting then pairs each pass's value with its own."""
+    while t.ndim - 1 < rank:
+        t = t[:, None]
     return t
+
+
+def int_values(values, op) -> bool:
+    """Every operand and result of the op is i64 or bool: numpy's arithmetic on them is torch's
+    (no float rounding to differ in), so a variant on arrays gives the same values."""
+    return all(values[i].dtype in ("i64", "bool") for i in (*op.args, *op.outs))
 
 
 def fill_of(op: Op, dtype: str):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from host.epilogue.env import ChannelWrite, Result, host_length
-from host.epilogue.kernels import TORCH_DTYPE, Ctx
+from host.epilogue.kernels import NP_DTYPE, TORCH_DTYPE, Ctx
 from host.epilogue.ops import OPS
 from host.epilogue.ops.effects import write_cells
 from host.epilogue.ops.spec import ARRAY, HOST, TENSOR
@@ -51,6 +51,18 @@ def readout_tensor(xs: list, dev) -> torch.Tensor:
 def int_input(xs: list, dev) -> torch.Tensor:
     t = torch.stack(xs) if len(xs) > 1 else xs[0].unsqueeze(0)
     return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
+def int_array(xs: list) -> np.ndarray:
+    """Token inputs (window, history) in host memory as an int64 numpy array [B, n]."""
+    a = np.stack([x.numpy() for x in xs]) if len(xs) > 1 else xs[0].numpy()[None]
+    return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
+def channel_array(bufs: list, dtype: np.dtype, copy: bool) -> np.ndarray:
+    """channel_input in host memory, as a numpy array."""
+    a = np.stack([b.numpy() for b in bufs]) if len(bufs) > 1 else bufs[0].numpy()[None]
+    return a.astype(dtype) if copy or a.dtype != dtype else a
 
 
 def channel_input(bufs: list, dtype: torch.dtype, copy: bool) -> torch.Tensor:
@@ -83,6 +95,7 @@ class _Builder:
             "Result": Result, "ChannelWrite": ChannelWrite, "write_cells": write_cells, "host_length": host_length,
             "readout_array": readout_array, "readout_tensor": readout_tensor, "int_input": int_input,
             "channel_input": channel_input, "scalar_tensor": scalar_tensor, "torch": torch, "np": np, "Ctx": Ctx, "consts": consts,
+            "int_array": int_array, "channel_array": channel_array, "NP_DTYPE": NP_DTYPE,
             "values": checked.values}
         self.forms: dict[int, set[str]] = {}  # value index -> the forms made so far
         self.known: dict[int, object] = {}  # value index -> its constant host value, where static
@@ -113,14 +126,17 @@ class _Builder:
             dt = f"torch.{str(TORCH_DTYPE[self.c.values[i].dtype]).split('.')[-1]}"
             if i in self.known:  # a constant: one tensor per device, made once
                 self.emit(f"t{i} = scalar_tensor({self.known[i]!r}, {dt}, {self.B}, dev)")
-            elif ARRAY in have:
-                self.emit(f"t{i} = torch.from_numpy(a{i})")
+            elif ARRAY in have or self.host:  # in host memory a tensor views an array (cheaper to make)
+                self.emit(f"t{i} = torch.from_numpy({self.get(i, ARRAY)})")
             else:
                 src = f"[h{i}]" if self.B == 1 else f"h{i}"
                 self.emit(f"t{i} = torch.tensor({src}, dtype={dt}, device=dev)")
         elif form == HOST:
             src = f"a{i}" if ARRAY in have else f"t{i}"
             self.emit(f"h{i} = {src}.item()" if self.B == 1 else f"h{i} = {src}.tolist()")
+        elif HOST in have:  # ARRAY from host scalars
+            src = f"[h{i}]" if self.B == 1 else f"h{i}"
+            self.emit(f"a{i} = np.array({src}, dtype=NP_DTYPE[{self.c.values[i].dtype!r}])")
         else:  # ARRAY from a tensor, in host memory
             self.emit(f"a{i} = {self.get(i, TENSOR)}.numpy()")
         have.add(form)
@@ -179,9 +195,17 @@ class _Builder:
         elif k in READOUTS:
             self.emit(f"t{i} = readout_tensor([e.{k} for e in envs], dev)")
             self.made(i, TENSOR)
+        elif k in ("window", "history") and self.host:
+            self.emit(f"a{i} = int_array([e.{k} for e in envs])")
+            self.made(i, ARRAY)
         elif k in ("window", "history"):
             self.emit(f"t{i} = int_input([e.{k} for e in envs], dev)")
             self.made(i, TENSOR)
+        elif self.host:  # a channel's cells, as an array
+            name = inp.channel
+            self.scope[f"dt{i}"] = NP_DTYPE[self.c.channels[name].dtype]
+            self.emit(f"a{i} = channel_array([e.channels[{name!r}].buf for e in envs], dt{i}, {name in self.written})")
+            self.made(i, ARRAY)
         else:  # a channel's cells
             name = inp.channel
             self.scope[f"dt{i}"] = TORCH_DTYPE[self.c.channels[name].dtype]

@@ -3,6 +3,7 @@ data-dependent pack and dyn_slice (static size, padded)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from host.epilogue.ir import Dim, ProgramError, Value
@@ -82,6 +83,7 @@ def _slice(ctx, op, a):
 
 define("slice", F, args=1, attrs={"start": Attr("int?", None), "stop": Attr("int?", None), "axis": Attr("int", 0)},
        infer=_slice_infer, kernel=_slice,
+       variants=(Variant((ARRAY,), (ARRAY,), lambda ctx, op, a: _slice(ctx, op, [a])[0], host_memory=True, ctx=False),),
        doc="`slice(x; start, stop, axis=0)`: a Python slice, step 1, null = open end. On symbolic dims: "
            "`[a:]`, `[-a:]`, `[a:-b]`, `[a:b]`, checked again when bound.")
 
@@ -161,6 +163,8 @@ def _concat_infer(t, av, at):
 
 define("concat", F, args=2, attrs={"axis": Attr("int", 0)}, infer=_concat_infer,
        kernel=lambda ctx, op, a: [torch.cat(a, dim=op.attrs["axis"] + 1)],
+       variants=(Variant((ARRAY, ARRAY), (ARRAY,), lambda ctx, op, a, b: np.concatenate((a, b), op.attrs["axis"] + 1),
+                         host_memory=True, ctx=False),),
        doc="`concat(a, b; axis=0)`: static concatenation (at most one of the two axes symbolic).")
 
 
@@ -187,13 +191,16 @@ def _pack(ctx, op, a):
     return [torch.where(j < la, from_a, from_b)]
 
 
-def _filled(ctx, op, x: torch.Tensor) -> torch.Tensor:
+def _filled(ctx, op, x):
     fill = fill_of(op, ctx.values[op.outs[0]].dtype)
+    if isinstance(x, np.ndarray):
+        return np.full((x.shape[0], op.attrs["size"]), fill, dtype=x.dtype)
     return torch.full((x.shape[0], op.attrs["size"]), fill, dtype=x.dtype, device=x.device)
 
 
 def _pack_copy(ctx, op, x, xl: list, y, yl):
-    """pack with host offsets: copies of contiguous runs, no index tensors (any device)."""
+    """pack with host offsets: copies of contiguous runs, no index tensors (any device; numpy
+    arrays in host memory, with host lengths)."""
     out, size = _filled(ctx, op, x), op.attrs["size"]
     for b, la in enumerate(xl):
         a = min(max(la, 0), x.shape[1], size)
@@ -208,7 +215,8 @@ def _pack_copy(ctx, op, x, xl: list, y, yl):
     return out
 
 
-PACK_VARIANTS = (Variant((TENSOR, HOST, TENSOR, HOST), (TENSOR,), _pack_copy),
+PACK_VARIANTS = (Variant((ARRAY, HOST, ARRAY, HOST), (ARRAY,), _pack_copy, host_memory=True),
+                 Variant((TENSOR, HOST, TENSOR, HOST), (TENSOR,), _pack_copy),
                  Variant((TENSOR, HOST, TENSOR, TENSOR), (TENSOR,), _pack_copy))
 
 
@@ -235,7 +243,8 @@ def _dyn_slice(ctx, op, a):
 
 
 def _dyn_slice_copy(ctx, op, x, starts: list, lengths):
-    """dyn_slice with a host start: a copy of a contiguous run, no index tensors (any device)."""
+    """dyn_slice with a host start: a copy of a contiguous run, no index tensors (any device;
+    numpy arrays in host memory, with host lengths)."""
     out, n, size = _filled(ctx, op, x), x.shape[1], op.attrs["size"]
     for b, st in enumerate(starts):
         ln = lengths[b] if isinstance(lengths, list) else size
@@ -250,7 +259,8 @@ def _dyn_slice_copy(ctx, op, x, starts: list, lengths):
     return out
 
 
-DYN_SLICE_VARIANTS = (Variant((TENSOR, HOST, HOST), (TENSOR,), _dyn_slice_copy),
+DYN_SLICE_VARIANTS = (Variant((ARRAY, HOST, HOST), (ARRAY,), _dyn_slice_copy, host_memory=True),
+                      Variant((TENSOR, HOST, HOST), (TENSOR,), _dyn_slice_copy),
                       Variant((TENSOR, HOST, TENSOR), (TENSOR,), _dyn_slice_copy))
 
 

@@ -47,8 +47,12 @@ _reduction("argmax", ("i64", "f32"), lambda x, d: argmax(x, d),
                     ctx=False, inline=lambda op: "{0}.argmax(axis=%d)" % (op.attrs["axis"] + 1)),))
 _reduction("argmin", ("i64", "f32"), lambda x, d: torch.argmin(x, dim=d),
            "`argmin(x; axis=-1)` -> i64: the index of the smallest (the first on ties).")
-_reduction("any", ("bool",), lambda x, d: torch.any(x, dim=d), "`any(x; axis=-1)`: some element is true (bool).")
-_reduction("all", ("bool",), lambda x, d: torch.all(x, dim=d), "`all(x; axis=-1)`: every element is true (bool).")
+_reduction("any", ("bool",), lambda x, d: torch.any(x, dim=d), "`any(x; axis=-1)`: some element is true (bool).",
+           (Variant((ARRAY,), (ARRAY,), lambda ctx, op, a: a.any(axis=op.attrs["axis"] + 1), host_memory=True,
+                    ctx=False),))
+_reduction("all", ("bool",), lambda x, d: torch.all(x, dim=d), "`all(x; axis=-1)`: every element is true (bool).",
+           (Variant((ARRAY,), (ARRAY,), lambda ctx, op, a: a.all(axis=op.attrs["axis"] + 1), host_memory=True,
+                    ctx=False),))
 
 
 def _scan(name: str, doc: str) -> None:

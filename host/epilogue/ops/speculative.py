@@ -3,11 +3,12 @@ greedy and by Leviathan et al.'s rejection rule."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from host.epilogue.ir import Dim, Value
 from host.epilogue.kernels import Stream, exp_race
-from host.epilogue.ops.spec import HOST, TENSOR, Attr, Variant, define, family, max_bound
+from host.epilogue.ops.spec import ARRAY, HOST, Attr, Variant, define, family, max_bound
 
 F = family("speculative", "Speculative decoding:")
 
@@ -34,8 +35,8 @@ def _ngram_host(ctx, op, seq, lengths=None):
 
 define("ngram_lookup", F, args=(1, 2), results=2,
        # a byte search of the history in host memory, with host lengths
-       variants=(Variant((TENSOR,), (TENSOR, HOST), _ngram_host, host_memory=True, ctx=False),
-                 Variant((TENSOR, HOST), (TENSOR, HOST), _ngram_host, host_memory=True, ctx=False)),
+       variants=(Variant((ARRAY,), (ARRAY, HOST), _ngram_host, host_memory=True, ctx=False),
+                 Variant((ARRAY, HOST), (ARRAY, HOST), _ngram_host, host_memory=True, ctx=False)),
        attrs={"k": Attr("int", lo=1, hi=1024), "ngram_min": Attr("int", 1, lo=1, hi=64),
               "ngram_max": Attr("int", lambda at: max(at["ngram_min"], 3), lo=1, hi=64)},
        infer=_ngram_infer, kernel=_ngram,
@@ -78,17 +79,16 @@ def ngram_lookup(h: torch.Tensor, length: torch.Tensor | None, nmin: int, nmax: 
     return [toks, ok.sum(-1)]
 
 
-def ngram_lookup_host(h: torch.Tensor, lengths: list[int] | None, nmin: int, nmax: int, k: int):
-    """ngram_lookup for a history whose memory the host reads (the CPU), with host lengths:
-    the same result, found by a byte search of each row (C speed, a few us for a thousand
-    tokens) instead of ~15 tensor ops. Returns (tokens [B, k], per-row counts)."""
+def ngram_lookup_host(h: np.ndarray, lengths: list[int] | None, nmin: int, nmax: int, k: int):
+    """ngram_lookup for a history in host memory (int64 [B, N]), with host lengths: the same
+    result, found by a byte search of each row (C speed, a few us for a thousand tokens) instead
+    of ~15 tensor ops. Returns (tokens [B, k], per-row counts)."""
     B, N = h.shape
-    rows = h.to(torch.int64).numpy()
-    toks, counts = torch.full((B, k), -1, dtype=h.dtype), []
+    toks, counts = np.full((B, k), -1, dtype=h.dtype), []
     for b in range(B):
         L = N if lengths is None else min(max(lengths[b], 0), N)
-        raw = rows[b, :L].tobytes()
-        start = _latest_match(raw, rows[b, :L], L, nmin, min(nmax, N))
+        raw = h[b, :L].tobytes()
+        start = _latest_match(raw, h[b, :L], L, nmin, min(nmax, N))
         n = 0 if start < 0 else min(k, L - start)
         if n:
             toks[b, :n] = h[b, start:start + n]
@@ -148,6 +148,8 @@ def _verify_sample(ctx, op, a):
 
 define("verify_greedy", F, args=2, results=3, infer=_verify_infer("verify_greedy"),
        kernel=lambda ctx, op, a: verify_greedy(a[0], a[1]),
+       variants=(Variant((ARRAY, ARRAY), (ARRAY, ARRAY, ARRAY), lambda ctx, op, d, t: verify_greedy_np(d, t),
+                         host_memory=True, ctx=False),),
        doc="""`verify_greedy(drafts: i64 [k], target: i64 [k+1])` -> (accepted n i64 [], tokens i64 [k+1],
 count i64 []). n = number of leading drafts equal to target; tokens = target[:n+1] (the accepted
 drafts, then the target's token at the first mismatch, or the bonus token when all are accepted),
@@ -172,6 +174,21 @@ def verify_greedy(drafts: torch.Tensor, target: torch.Tensor):
     j = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
     toks = torch.where(j <= n.unsqueeze(1), target, torch.full_like(target, -1))
     return [n, toks, n + 1]
+
+
+def verify_greedy_np(drafts: np.ndarray, target: np.ndarray):
+    """verify_greedy on int64 arrays in host memory: a scan of a few Python ints per pass costs
+    less than numpy's cumprod and where on a window this short."""
+    k = drafts.shape[1]
+    toks, ns = target.copy(), []
+    for b, (d, t) in enumerate(zip(drafts.tolist(), target.tolist())):
+        n = 0
+        while n < k and d[n] == t[n]:
+            n += 1
+        toks[b, n + 1:] = -1
+        ns.append(n)
+    n = np.array(ns, dtype=np.int64)
+    return n, toks, n + 1
 
 
 def verify_sample(drafts, p, q, u_accept, u_race):
