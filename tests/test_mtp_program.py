@@ -13,6 +13,7 @@ import torch
 from host.drafter.mtp import MtpHead
 from host.engine import Engine
 from host.engine.compute import compute
+from host.engine.drafting import DraftState
 from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
@@ -138,13 +139,29 @@ def test_greedy_output_equals_plain_greedy(tiny_module, greedy_text, K, adaptive
     assert eng.pool.free_pages == eng.pool.num_pages
 
 
-def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, greedy_text):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, greedy_text, adaptive):
     """The head's KV rows, built round by round over whatever each round folded (its chains written
-    past them and overwritten), equal those one prompt pass over the committed text writes."""
+    past them and overwritten; with the adaptive gate, rounds that do not draft leave theirs to the
+    next that does), equal those one prompt pass over the committed text writes."""
     eng, _ = head_engine(tiny_module, greedy_text, successor=True)
-    out, stats, lp = run(eng, REPETITIVE, K=3, max_tokens=60, temperature=1.0, seed=3, adaptive=False)
+    runner = eng.heads[NAME]
+    deferred = []
+    keep = DraftState.keep
+
+    def counted(state, tokens, hidden):
+        deferred.append(state.pending is not None and state.pending.rows > 0)
+        return keep(state, tokens, hidden)
+    DraftState.keep = counted
+    try:
+        out, stats, lp = run(eng, REPETITIVE, K=3, max_tokens=60, temperature=1.0, seed=3, adaptive=adaptive)
+    finally:
+        DraftState.keep = keep
     assert stats.drafted - stats.accepted > 10
+    if adaptive:  # the rounds the gate kept from drafting left their rows to later ones
+        assert sum(deferred) > 5
     ws = lp.ws
+    compute().call(lambda: runner.catch_up(ws))  # the rows the last rounds left pending
     text = list(ws.tokens) + [out[-1]]  # the head's last row pairs the last frozen row with the last token
     sched = Scheduler(eng)
     try:
@@ -342,7 +359,44 @@ def test_a_limit_stops_the_chain_and_zero_runs_only_the_heads_rows(tiny_module, 
     assert n == [4, 2, 0]
     assert (drafts[0] >= 0).all() and drafts[1, :2].tolist() == drafts[0, :2].tolist() and (drafts[1, 2:] == -1).all()
     assert (drafts[2] == -1).all()
-    for ws in wss:  # every pass wrote the head's rows 0..15, the limit-0 one too
+    for ws in wss[:2]:  # the drafting passes wrote the head's rows 0..15
         rows = ws.slots(0, 16)
         assert not torch.equal(eng.kv[-1][:, :, rows], before[:, :, rows])
-    torch.testing.assert_close(eng.kv[-1][:, :, wss[2].slots(0, 16)], eng.kv[-1][:, :, wss[0].slots(0, 16)])
+    rows = wss[2].slots(0, 16)  # the limit-0 one keeps them for when it next drafts
+    assert torch.equal(eng.kv[-1][:, :, rows], before[:, :, rows])
+    runner.catch_up(wss[2])
+    torch.testing.assert_close(eng.kv[-1][:, :, rows], eng.kv[-1][:, :, wss[0].slots(0, 16)])
+
+
+def test_pending_head_rows_are_written_in_the_next_drafting_pass_or_dropped_after_an_edit(tiny_module, greedy_text):
+    from host.engine import Pass
+
+    eng, _ = head_engine(tiny_module, greedy_text)
+    runner = eng.heads[NAME]
+    P = REPETITIVE[:12]
+    a, b = eng.new_working_set(), eng.new_working_set()
+    outs = eng.forward([Pass(ws, P, list(range(len(P))), fold=0, hidden=True, spare=3) for ws in (a, b)])
+    hidden = torch.stack([o.hidden for o in outs])
+    toks = torch.tensor([P[1:] + [0]] * 2)
+
+    def fold(ws, rows):  # what a round's fold does to the working set after its epilogue
+        ws.commit(P[ws.frozen:ws.frozen + rows], rows, ws.next_position)
+
+    with torch.inference_mode():
+        sa, sb = runner.bind(a).state, runner.bind(b).state
+        # a: rounds of 4, 4, 3 rows; only the last drafts. b: all at once
+        for i, (start, c, lim) in enumerate([(0, 4, 0), (4, 4, 0), (8, 3, 2)]):
+            d, n = runner.propose([sa], hidden[:1, start:start + c], toks[:1, start:start + c], [c], 2, 0.0, None, [lim])
+            assert n == [lim] and (sa.pending is None) == (lim > 0)
+            fold(a, c)
+        d2, n2 = runner.propose([sb], hidden[1:, :11], toks[1:, :11], [11], 2, 0.0, None, [2])
+        fold(b, 11)
+    assert d.tolist() == d2.tolist()
+    torch.testing.assert_close(eng.kv[-1][:, :, a.slots(0, 11)], eng.kv[-1][:, :, b.slots(0, 11)])
+    # kept rows whose working set was truncated since are stale: dropped, the next round's start anew
+    with torch.inference_mode():
+        runner.propose([sa], hidden[:1, :2], toks[:1, :2], [2], 2, 0.0, None, [0])
+        assert sa.pending.start == 11 and sa.pending.rows == 2
+        a.truncate(8)
+        runner.propose([sa], hidden[:1, 8:10], toks[:1, 8:10], [2], 2, 0.0, None, [0])
+        assert sa.pending.start == 8 and sa.pending.rows == 2

@@ -3,15 +3,20 @@
 The head's block has its own KV layer in the pool (the engine allocates one more layer per head),
 so its rows live in the working set's pages: forks share them, evictions and page copies move them
 with the target's, and only rows below the frozen end are ever attended to. The head's row r pairs
-the target's hidden state at row r with the token that follows it, so a round writes the head's
+the target's hidden state at row r with the token that follows it, so a round gives the head's
 rows for exactly the rows it folds, and its chained drafts go to scratch rows past them (the next
 round overwrites those, as it does the target's rejected rows).
+
+A round that will not draft (limit 0) only keeps its rows' inputs (Pending): the head writes them,
+with the rows of the round that next drafts, in that round's one pass over its block. Only the
+head reads its rows, and it catches up before it does. Pending rows whose rows were edited since
+(truncate, evict) are dropped unwritten: the head's drafts there may be worse, never the output.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,19 +29,49 @@ from .stack import LayerStack
 from .working_set import WorkingSet
 
 
+# Pending rows past which a round writes them even when it does not draft: one catch-up pass over
+# this many rows still runs the block's products on the few-row path (skinny_linear's 32 rows).
+CATCH_UP_ROWS = 32
+
+
+@dataclass
+class Pending:
+    """The inputs of the head's rows [start, start + rows) not written yet: each folded row's
+    target hidden state and the token that follows it, as the rounds that folded them gave them."""
+
+    start: int
+    edits: int  # the working set's edits when the first was kept: another count means they are stale
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
+
+
 @dataclass
 class DraftState:
-    """One working set's binding to a head: the distributions of its last proposal (sampled drafts).
-    It refers to the working set weakly: the head's table of states must not keep it alive."""
+    """One working set's binding to a head: the rows it has not written yet, and the distributions
+    of its last proposal (sampled drafts). It refers to the working set weakly: the head's table of
+    states must not keep it alive."""
 
     _ws: weakref.ref
     q: torch.Tensor | None = None  # [n, Vd] the head's distributions of its last proposal's drafts
     drafts: torch.Tensor | None = None  # that proposal (read only when q is asked for)
     at: int = -1  # the frozen length its window starts at
+    pending: Pending | None = None
 
     @property
     def ws(self) -> WorkingSet:
         return self._ws()
+
+    def keep(self, tokens: torch.Tensor, hidden: torch.Tensor) -> Pending:
+        """Add this round's rows (from the frozen end) to the pending ones, dropping those that no
+        longer end where this round's begin."""
+        ws, p = self.ws, self.pending
+        if p is None or p.edits != ws.edits or p.start + p.rows != ws.frozen:
+            p = self.pending = Pending(ws.frozen, ws.edits)
+        p.tokens.append(tokens.clone())  # a round's readout and tokens are not kept past it
+        p.hidden.append(hidden.clone())
+        p.rows += tokens.shape[0]
+        return p
 
 
 @dataclass
@@ -88,33 +123,25 @@ class HeadRunner:
         B = len(states)
         drafts = torch.full((B, k), -1, dtype=torch.int64, device=eng.device)
         n = [0] * B
-        live = [b for b in range(B) if counts[b] > 0]
         for b in range(B):
             states[b].q, states[b].drafts, states[b].at = None, None, -1
+        hidden = torch.as_tensor(hidden)
+        # the head's rows for the rows this round commits: kept, and written (with those kept before)
+        # only where the head drafts now or too many wait
+        live = []
+        for b in range(B):
+            if counts[b] > 0:
+                states[b].keep(tokens[b, :counts[b]], hidden[b, :counts[b]])
+            drafting = counts[b] > 0 and (limits is None or limits[b] > 0)
+            if drafting or (states[b].pending is not None and states[b].pending.rows >= CATCH_UP_ROWS):
+                live.append(b)
         if not live:
             return drafts, n
-        dtype = eng.dtype
-        hidden = torch.as_tensor(hidden)
-        # extend: the head's rows for the rows this round commits
-        ids, hid, pos, slots, win, frozen = [], [], [], [], [], []
-        for b in live:
-            ws, c = states[b].ws, counts[b]
-            P, first = ws.frozen, ws.next_position
-            ids.append(tokens[b, :c])
-            hid.append(hidden[b, :c])
-            pos.extend(range(first, first + c))
-            slots.extend(ws.slots(P, P + c))
-            win.append(c)
-            frozen.append(P)
-        x = torch.cat(ids).to(eng.device)
-        h = torch.cat(hid).to(eng.device, dtype)
-        g = self._run(x, h, pos, slots, live, states, win, frozen)
-        ends = torch.tensor(list(_cumsum(win)), device=eng.device) - 1
-        last = g.index_select(0, ends)
+        last = self._catch_up([states[b] for b in live])
         # chain: one row per pass, at the scratch rows past the committed ones
         rows = [states[b].ws.frozen + counts[b] for b in live]  # the row the next step writes
         firsts = [states[b].ws.next_position + counts[b] for b in live]
-        want = [k if limits is None else limits[b] for b in live]
+        want = [0 if counts[b] == 0 else k if limits is None else limits[b] for b in live]
         active = [i for i in range(len(live)) if want[i] > 0]
         if len(active) < len(live):
             if not active:
@@ -148,7 +175,7 @@ class HeadRunner:
             r = [rows[i] + j for i in active]
             p = [firsts[i] + j for i in active]
             sl = [states[live[i]].ws.slot(ri) for i, ri in zip(active, r)]
-            last = self._run(ids_j.to(eng.device), last, p, sl, [live[i] for i in active], states, [1] * len(active), r)
+            last = self._run(ids_j.to(eng.device), last, p, sl, [states[live[i]] for i in active], [1] * len(active), r)
         if temperature > 0:
             for i, b in enumerate(live):
                 st = states[b]
@@ -172,18 +199,51 @@ class HeadRunner:
             q[:len(real)].index_copy_(1, self._ids.to(q.device), rows)
         return q
 
+    def catch_up(self, ws: WorkingSet) -> None:
+        """Write the head's pending rows for this working set now (its rows then equal those a
+        prompt pass over the committed text writes)."""
+        st = self._states.get(ws.id)
+        if st is not None and st.pending is not None:
+            with torch.inference_mode():
+                self._catch_up([st])
+
     # ---- the head over the pool ----------------------------------------------------------
+    def _catch_up(self, states: list[DraftState]) -> torch.Tensor:
+        """Run the head over each state's pending rows, in one pass; returns each one's last row's
+        output [len(states), H] (the chain starts from it)."""
+        eng = self.engine
+        ids, hid, pos, slots, win, frozen = [], [], [], [], [], []
+        for st in states:
+            ws, p = st.ws, st.pending
+            end = p.start + p.rows  # rows past the frozen end: this round's, frozen by its fold
+            P = ws.frozen
+            ids += p.tokens
+            hid += p.hidden
+            pos.extend(ws.positions[p.start:P])
+            first = ws.next_position
+            pos.extend(range(first, first + end - P))
+            slots.extend(ws.slots(p.start, end))
+            win.append(p.rows)
+            frozen.append(p.start)
+            st.pending = None
+        x = torch.cat(ids).to(eng.device)
+        h = torch.cat(hid).to(eng.device, eng.dtype)
+        g = self._run(x, h, pos, slots, states, win, frozen)
+        ends = torch.tensor(list(_cumsum(win)), device=eng.device) - 1
+        return g.index_select(0, ends)
+
     def _room(self, ws: WorkingSet, row: int) -> bool:
         """Whether the chain may write `row`: its page is the working set's and it is in context."""
         return row < len(ws.pages) * ws.pool.page_size and row < self.engine.info.context_len
 
-    def _run(self, ids, hidden, positions, slots, passes, states, windows, frozen) -> torch.Tensor:
-        """The head over a ragged batch: pass i has `windows[i]` rows from row frozen[i]."""
+    def _run(self, ids, hidden, positions, slots, states, windows, frozen) -> torch.Tensor:
+        """The head over a ragged batch: pass i (of states[i]'s working set) has `windows[i]` rows
+        from row frozen[i]."""
         eng = self.engine
         dev = eng.device
         starts = list(_cumsum([0] + windows[:-1]))
         ends = [f + w for f, w in zip(frozen, windows)]
-        ctx = [states[b].ws.slots(0, e) for b, e in zip(passes, ends)]
+        ctx = [st.ws.slots(0, e) for st, e in zip(states, ends)]
         group = attention.make_group(dev, starts, windows, frozen, ends, ctx, None, True)
         meta = attention.BatchMeta(eng.kv, torch.tensor(slots, device=dev), [group], eng.attention_kernel)
         pos = torch.tensor(positions, device=dev)[None]

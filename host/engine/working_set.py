@@ -21,6 +21,7 @@ class WorkingSet:
     tokens: list[int] = field(default_factory=list)  # committed token ids, one per frozen row
     positions: list[int] = field(default_factory=list)  # position id of each frozen row
     scratch: list[int] = field(default_factory=list)  # tokens of the rows the last pass wrote past frozen
+    edits: int = 0  # how many times frozen rows were dropped or moved (truncate, evict): appends are not edits
     released: bool = False
     quota: Quota | None = None  # the owning instance's share of the pool; its forks carry it too
 
@@ -94,6 +95,7 @@ class WorkingSet:
         del self.tokens[n:]
         del self.positions[n:]
         self.scratch = []
+        self.edits += 1
         keep = self._pages_for(n)
         self.pool.release(self.pages[keep:])
         del self.pages[keep:]
@@ -115,6 +117,7 @@ class WorkingSet:
         del self.tokens[start:end]
         del self.positions[start:end]
         self.scratch = []
+        self.edits += 1
         return copies
 
     def release(self) -> None:

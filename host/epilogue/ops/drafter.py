@@ -57,8 +57,8 @@ row 0) with `tokens[r]`, the token that follows it; the head writes its own KV r
 its output state drafts d2, and so on to k drafts: argmax, or with temperature > 0 drawn from the
 head's softmax(logits / temperature) (keyed draws, as `sample`). A head with a restricted draft
 vocabulary only drafts ids in it. With `limit` (clamped to [0, k]) the chain stops at that many
-drafts: 0 runs only the head's rows (its state stays current; a round that will not draft pays
-no chain). n = min(k, limit) unless the chain reached the model's context or the pass's
+drafts: 0 drafts nothing, and the host keeps the rows' inputs to write the head's rows in the pass
+of the next round that drafts (a round that will not draft pays no head pass). n = min(k, limit) unless the chain reached the model's context or the pass's
 spare rows (the host reserves k - 1 past the window for a program with this op); drafts past n are -1.
 Typical: after verification, `mtp_draft(hidden, vt, cnt; ...)` gives the next window's drafts;
 for a prefill of prompt p with fold len(p) - 1, `mtp_draft(hidden, p[1:], len(p) - 1; ...)`.""")

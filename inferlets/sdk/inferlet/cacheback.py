@@ -73,9 +73,9 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
 
     drafter: the name of an MTP head attached to the model, for the hybrid: each round drafts by
     prompt lookup when the context offers a match (and the gate is open), else by the head
-    (`head_len` drafts, chained); the head runs over every round's folded rows either way, so its
-    state is current whenever it drafts. Channel "source" (1 cell) says where the window's drafts
-    came from (1: the head), for sampled verification's q. The guest's prompt pass must run the
+    (`head_len` drafts, chained); the head is given every round's folded rows either way (the host
+    writes them when it next drafts), so its state is current whenever it drafts. Channel "source"
+    (1 cell) says where the window's drafts came from (1: the head), for sampled verification's q. The guest's prompt pass must run the
     head's prefill program (`mtp.mtp_prefill_program`) with window_capacity = the "window" spec's.
     """
     K, g, Lw, S = int(draft_len_max), int(lru_ngram), int(lookup_window), int(lru_size)
@@ -125,7 +125,7 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
         room = p.maximum(max_tokens - out_len - emit - 1, 0)
         # the head's drafts have their own gate (state "head_state"), following the rounds that verified them
         h_gate = gate(p, p.where(from_head, drafts.size(), 0), n, H, int(probe_after), int(probe_max), "head_state")
-        # the head runs over the folded rows every round; it chains only when its drafts are used
+        # the head is given the folded rows every round; it runs and chains only when its drafts are used
         d, dn = p.mtp_draft(p.hidden(), vt, fold, drafter, H, temperature, seed,
                             limit=p.where(lookup, 0, p.minimum(room, h_gate)))
         nxt = p.where(lookup, p.dyn_slice(cand, 0, K, size=Kw), p.dyn_slice(d, 0, H, size=Kw))
