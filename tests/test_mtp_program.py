@@ -343,7 +343,7 @@ def _ir_index(p, v) -> int:
 PROMPT_REF = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 
 
-def test_a_limit_stops_the_chain_and_zero_runs_only_the_heads_rows(tiny_module, greedy_text):
+def test_a_limit_stops_the_chain_and_zero_leaves_the_heads_rows_for_later(tiny_module, greedy_text):
     from host.engine import Pass
 
     eng, _ = head_engine(tiny_module, greedy_text)
@@ -364,6 +364,7 @@ def test_a_limit_stops_the_chain_and_zero_runs_only_the_heads_rows(tiny_module, 
         assert not torch.equal(eng.kv[-1][:, :, rows], before[:, :, rows])
     rows = wss[2].slots(0, 16)  # the limit-0 one keeps them for when it next drafts
     assert torch.equal(eng.kv[-1][:, :, rows], before[:, :, rows])
+    wss[2].commit(REPETITIVE[:16], 16, 0)  # the round's fold
     runner.catch_up(wss[2])
     torch.testing.assert_close(eng.kv[-1][:, :, rows], eng.kv[-1][:, :, wss[0].slots(0, 16)])
 
@@ -400,3 +401,6 @@ def test_pending_head_rows_are_written_in_the_next_drafting_pass_or_dropped_afte
         a.truncate(8)
         runner.propose([sa], hidden[:1, 8:10], toks[:1, 8:10], [2], 2, 0.0, None, [0])
         assert sa.pending.start == 8 and sa.pending.rows == 2
+    before = eng.kv[-1].clone()
+    runner.catch_up(a)  # those two rows were never folded: nothing to write
+    assert sa.pending is None and torch.equal(eng.kv[-1], before)

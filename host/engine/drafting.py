@@ -45,6 +45,10 @@ class Pending:
     hidden: list[torch.Tensor] = field(default_factory=list)
     rows: int = 0
 
+    def current(self, ws: WorkingSet) -> bool:
+        """Whether they are still the rows up to the frozen end, none edited since."""
+        return self.edits == ws.edits and self.start + self.rows == ws.frozen
+
 
 @dataclass
 class DraftState:
@@ -66,7 +70,7 @@ class DraftState:
         """Add this round's rows (from the frozen end) to the pending ones, dropping those that no
         longer end where this round's begin."""
         ws, p = self.ws, self.pending
-        if p is None or p.edits != ws.edits or p.start + p.rows != ws.frozen:
+        if p is None or not p.current(ws):
             p = self.pending = Pending(ws.frozen, ws.edits)
         p.tokens.append(tokens.clone())  # a round's readout and tokens are not kept past it
         p.hidden.append(hidden.clone())
@@ -130,10 +134,13 @@ class HeadRunner:
         # only where the head drafts now or too many wait
         live = []
         for b in range(B):
+            st = states[b]
             if counts[b] > 0:
-                states[b].keep(tokens[b, :counts[b]], hidden[b, :counts[b]])
+                st.keep(tokens[b, :counts[b]], hidden[b, :counts[b]])
+            elif st.pending is not None and not st.pending.current(st.ws):
+                st.pending = None
             drafting = counts[b] > 0 and (limits is None or limits[b] > 0)
-            if drafting or (states[b].pending is not None and states[b].pending.rows >= CATCH_UP_ROWS):
+            if drafting or (st.pending is not None and st.pending.rows >= CATCH_UP_ROWS):
                 live.append(b)
         if not live:
             return drafts, n
@@ -203,6 +210,8 @@ class HeadRunner:
         """Write the head's pending rows for this working set now (its rows then equal those a
         prompt pass over the committed text writes)."""
         st = self._states.get(ws.id)
+        if st is not None and st.pending is not None and not st.pending.current(ws):
+            st.pending = None
         if st is not None and st.pending is not None:
             with torch.inference_mode():
                 self._catch_up([st])
