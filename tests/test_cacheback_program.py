@@ -76,9 +76,12 @@ def test_draft_gate_closes_backs_off_and_reopens():
         state, k = spec.draft_gate(state, k, 0, 8)
         ks.append(k)
     drafting = [i for i, k in enumerate(ks) if k]
-    assert drafting[:3] == [0, 1, 2]  # 1000 -> 750 -> 562 -> 421: still open; 315 closes it
+    e, n = spec.GATE_INIT, 0  # each failed draft keeps 3/4 of the estimate: n rounds stay open
+    while (e := e - e // 4) >= spec.GATE_OPEN:
+        n += 1
+    assert n >= 2 and drafting[:n] == list(range(n)) and drafting[n] > n
     assert set(ks) == {0, 4}  # after a failed draft, and for probes: half of K
-    gaps = [b - a for a, b in zip(drafting[2:], drafting[3:])]
+    gaps = [b - a for a, b in zip(drafting[n - 1:], drafting[n:])]
     assert gaps[:5] == [4, 8, 16, 32, 32]  # a failed probe doubles the wait for the next, up to 32
     state, k = spec.draft_gate(state, 4, 4, 8)  # a probe accepted whole reopens the gate at full length
     assert k == 8 and state == [state[0], 0, 4, 1] and state[0] >= spec.GATE_OPEN
