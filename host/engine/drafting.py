@@ -66,16 +66,21 @@ class DraftState:
     def ws(self) -> WorkingSet:
         return self._ws()
 
-    def keep(self, tokens: torch.Tensor, hidden: torch.Tensor) -> Pending:
+    def drop_stale(self) -> None:
+        """Forget pending rows that are no longer the ones up to the frozen end."""
+        if self.pending is not None and not self.pending.current(self.ws):
+            self.pending = None
+
+    def keep(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Add this round's rows (from the frozen end) to the pending ones, dropping those that no
         longer end where this round's begin."""
-        ws, p = self.ws, self.pending
-        if p is None or not p.current(ws):
-            p = self.pending = Pending(ws.frozen, ws.edits)
+        self.drop_stale()
+        if self.pending is None:
+            self.pending = Pending(self.ws.frozen, self.ws.edits)
+        p = self.pending
         p.tokens.append(tokens.clone())  # a round's readout and tokens are not kept past it
         p.hidden.append(hidden.clone())
         p.rows += tokens.shape[0]
-        return p
 
 
 @dataclass
@@ -137,8 +142,8 @@ class HeadRunner:
             st = states[b]
             if counts[b] > 0:
                 st.keep(tokens[b, :counts[b]], hidden[b, :counts[b]])
-            elif st.pending is not None and not st.pending.current(st.ws):
-                st.pending = None
+            else:
+                st.drop_stale()
             drafting = counts[b] > 0 and (limits is None or limits[b] > 0)
             if drafting or (st.pending is not None and st.pending.rows >= CATCH_UP_ROWS):
                 live.append(b)
@@ -210,9 +215,10 @@ class HeadRunner:
         """Write the head's pending rows for this working set now (its rows then equal those a
         prompt pass over the committed text writes)."""
         st = self._states.get(ws.id)
-        if st is not None and st.pending is not None and not st.pending.current(ws):
-            st.pending = None
-        if st is not None and st.pending is not None:
+        if st is None:
+            return
+        st.drop_stale()
+        if st.pending is not None:
             with torch.inference_mode():
                 self._catch_up([st])
 

@@ -19,16 +19,18 @@ def wrap(x: int) -> int:
 
 # --- unary --------------------------------------------------------------------------------
 
-def _on_arrays(np_fn) -> tuple[Variant, ...]:
+def _on_arrays(np_fn, args: int | None = None) -> tuple[Variant, ...]:
     """The op on numpy arrays in host memory, for i64 and bool values (the bookkeeping of a round:
-    a numpy call costs a fraction of a torch op's right after a model call)."""
+    a numpy call costs a fraction of a torch op's right after a model call). args: the operands
+    (a ufunc's own count by default)."""
     if np_fn is None:
         return ()
 
     def fn(ctx, op, *xs):
         r = max(x.ndim for x in xs) - 1  # the result's unbatched rank
         return np_fn(*(align(x, r) for x in xs))
-    return (Variant((ARRAY,) * np_fn.nin, (ARRAY,), fn, host_memory=True, when=int_values, ctx=False),)
+    n = np_fn.nin if args is None else args
+    return (Variant((ARRAY,) * n, (ARRAY,), fn, host_memory=True, when=int_values, ctx=False),)
 
 
 def _unary(name: str, dtypes: tuple[str, ...], fn, host, doc: str, inline: str | None = None, np_fn=None) -> None:
@@ -149,15 +151,10 @@ def _where_host_cond(ctx, op, conds: list, a, b):
     return torch.where(c, a, b)
 
 
-def _where_arrays(ctx, op, c, a, b):
-    r = max(c.ndim, a.ndim, b.ndim) - 1
-    return np.where(align(c, r), align(a, r), align(b, r))
-
-
 define("where", F, args=3, infer=_where_infer, kernel=_where_kernel, host=lambda c, a, b: a if c else b,
        inline="({1} if {0} else {2})",
        variants=(Variant((HOST, TENSOR, TENSOR), (TENSOR,), _where_host_cond, when=_same_shapes, ctx=False),
-                 Variant((ARRAY, ARRAY, ARRAY), (ARRAY,), _where_arrays, host_memory=True, when=int_values, ctx=False)),
+                 *_on_arrays(np.where, 3)),
        doc="`where(cond: bool, a, b)`: a where cond, else b (a and b of one dtype; the three broadcast).")
 
 
