@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from host.drafter import train as T
 from host.drafter.mtp import load_head
-from host.drafter.prompts import context_prompts, is_validation, training_prompts
+from host.drafter.prompts import context_prompts, is_validation, training_prompts, vocabulary_words
 
 
 @pytest.fixture
@@ -42,6 +43,30 @@ def test_prompt_set_is_deterministic_and_diverse():
     assert any("function" in p for p in head) and any("story" in p.lower() for p in head)
     assert any("dialogue" in p.lower() or "conversation" in p.lower() for p in head)
     assert sum(is_validation(i) for i in range(100)) == 10
+
+
+class _Vocab:
+    def get_vocab(self):
+        pieces = ["\u0120castle", "\u0120gardens", "\u0120The", "\u0120ab", "\u2581lantern", "\u0120na\u00efve", "teapot",
+                  "\u0120x1ylophone", "\u0120extraordinarily", "\u0120harbour", "\u0120whistle", "\u0120meadow"]
+        return {t: i for i, t in enumerate(pieces)}
+
+
+def test_word_prompts_use_each_vocabulary_word_once():
+    """Word topics come from whole lowercase words of the vocabulary (a leading-space piece), and
+    each appears in one prompt only: a topic recurring across prompts is what the head memorised."""
+    words = vocabulary_words(_Vocab())
+    assert words == ["castle", "gardens", "harbour", "lantern", "meadow", "whistle"]
+    many = [f"word{chr(97 + i // 26)}{chr(97 + i % 26)}" for i in range(600)]
+    a = training_prompts(0, many)
+    assert a == training_prompts(0, many) and len(set(a)) == len(a)
+    assert a != training_prompts(1, many) and set(training_prompts()) < set(a)
+    for w in many:
+        assert sum(bool(re.search(rf"\b{w}\b", p, re.IGNORECASE)) for p in a) == 1, w
+    head = a[:190]
+    assert 50 <= sum(any(w in p for w in many) for p in head) <= 70  # 6 of every 19
+    assert any("function" in p for p in head) and any("photosynthesis" in p or "Olympic" in p or "quantum" in p
+                                                       for p in training_prompts()[:20])
 
 
 def test_context_prompts_keep_the_split_apart():
@@ -81,6 +106,39 @@ def test_inline_features_match_a_forward(tmp_path, target):
         assert torch.equal(a["choice"][P - 1:L - 1].long(), a["ids"][P:].long())  # greedy
 
 
+def test_soft_targets_are_the_targets_own_distribution_at_the_predicted_row(tmp_path, target):
+    """Row j's soft target comes from h_{j+1}, the row where the target chose row j's label: its
+    argmax through the target's final norm and lm_head is that label. The soft loss is the
+    cross-entropy against that distribution, and is smallest (zero gradient) at the target's logits."""
+    model, tok = target
+    cfg = _cfg(tmp_path, tokens=200).resolved()
+    seqs = T.generate(model, tok, PROMPTS[:8], cfg, tmp_path / "w")
+    V = model.get_output_embeddings().weight.shape[0]
+    vmap = torch.arange(V)
+    bt = T.Batch(seqs, vmap, 2)
+    W = model.get_output_embeddings().weight.detach()
+    T_ = bt.T
+    for s in (1, 2):
+        lab = bt.raw[:, s - 1:T_ + s - 1]
+        m = (lab != T.IGNORE) & bt.h_next_ok[:, s - 1:T_ + s - 1]
+        hn = bt.h_next[:, s - 1:T_ + s - 1][m]
+        with torch.no_grad():
+            choice = torch.nn.functional.linear(model.get_decoder().norm(hn), W).argmax(-1)
+        assert m.sum() > 50 and (choice == lab[m]).float().mean() > 0.95  # h stored in bfloat16
+        shifted = (torch.nn.functional.linear(model.get_decoder().norm(bt.h[:, :T_][m]), W).argmax(-1) == lab[m])
+        assert shifted.float().mean() < 0.9  # an off-by-one row would not match
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(model.get_decoder().norm(hn), W)
+    x = ref.clone().requires_grad_(True)
+    loss = T._soft_ce(x, model, hn, W)
+    loss.backward()
+    p = torch.softmax(ref, -1)
+    assert abs(float(loss.detach()) - float(-(p * torch.log_softmax(ref, -1)).sum(-1).mean())) < 1e-4
+    assert float(x.grad.abs().max()) < 1e-5
+    y = (ref + torch.randn_like(ref)).requires_grad_(True)
+    assert float(T._soft_ce(y, model, hn, W)) > float(loss)
+
+
 def test_train_tiny_head(tmp_path, monkeypatch, target):
     monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
     model, tok = target
@@ -93,7 +151,9 @@ def test_train_tiny_head(tmp_path, monkeypatch, target):
         assert (out / f).exists(), f
     losses = [h["loss"] for h in res["history"]["train"]]
     assert len(losses) == res["steps"] >= 20
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 * 0.9
+    # soft targets: the loss's floor is the entropy of the target's own distribution, near uniform
+    # for a random tiny model, so it falls only a little; the top-1 below shows the learning
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
     vals = [h["top1"] for h in res["history"]["val"]]
     assert len(vals) == 3 and vals[-1] > vals[0]
     v = res["validation"]

@@ -5,6 +5,8 @@ Deterministic and self-contained (no data set, no download, nothing from the ben
 general topics crossed with task templates (explain, summarise, list, compare, rewrite, answer,
 argue, teach...), plus families with their own items: code tasks, math word problems, story
 openings to continue, dialogues, text to rewrite or summarise, and short factual questions.
+Given the target's vocabulary words (`vocabulary_words`), single-word topics, each in one prompt
+only, take most of the topics' share.
 `training_prompts()` interleaves the families so that any prefix of the list is still diverse.
 """
 
@@ -225,7 +227,68 @@ QUESTIONS = [
 ]
 
 
-def _families(seed: int) -> list[list[str]]:
+# Topics named by single words of the target's own vocabulary: thousands of them, so that no topic
+# recurs across many prompts. With only TOPICS (86, each under 20 templates) a head learnt replies
+# about those topics: 0.51 top-1 on held-apart prompts over the same topics, 0.28 on new ones.
+WORD_TEMPLATES = [
+    "Tell me about {w}.",
+    "Explain {w} to a beginner.",
+    "What does the word \"{w}\" mean? Use it in two sentences.",
+    "Write a short story in which {w} plays a part.",
+    "Write a blog post about {w}.",
+    "Write a short poem inspired by the word \"{w}\".",
+    "Give me three practical tips related to {w}.",
+    "Write a product description for something called \"{W}\".",
+    "Pretend you are an expert on {w}. What do most people get wrong about it?",
+    "Draft a short email to a colleague about {w}.",
+    "Write a persuasive paragraph about {w}.",
+    "Describe a day in the life of someone whose work involves {w}.",
+    "Write a news headline and a short article about {w}.",
+    "Ask and answer three questions about {w}.",
+    "Write a dialogue between two people who disagree about {w}.",
+    "Why might someone care about {w}? Answer in a few sentences.",
+    "Write a speech for a school assembly about {w}.",
+    "Describe {w} as if to someone from the year 1800.",
+]
+WORD2_TEMPLATES = [
+    "Write a short story that includes {a} and {b}.",
+    "Compare {a} and {b}.",
+    "What do {a} and {b} have in common?",
+    "Write a funny dialogue about {a} and {b}.",
+    "Explain how {a} could be connected to {b}.",
+]
+
+
+def vocabulary_words(tokenizer, min_len: int = 6, max_len: int = 14) -> list[str]:
+    """Whole lowercase English-looking words of a tokenizer's vocabulary (a token that is a space
+    and letters), sorted: a target's own topic list, with no data set. Empty for tokenizers whose
+    pieces do not mark a leading space."""
+    words = set()
+    for piece in tokenizer.get_vocab():
+        if piece[:1] in ("\u0120", "\u2581"):  # byte-level BPE's "Ġ", SentencePiece's "▁"
+            w = piece[1:]
+            if min_len <= len(w) <= max_len and w.isascii() and w.isalpha() and w.islower():
+                words.add(w)
+    return sorted(words)
+
+
+def _word_prompts(rng: random.Random, words: list[str]) -> list[str]:
+    """One prompt per word (every fifth over a pair of words), in a seeded order."""
+    pool = list(words)
+    rng.shuffle(pool)
+    out, i = [], 0
+    while i < len(pool):
+        if len(out) % 5 == 4 and i + 1 < len(pool):
+            out.append(rng.choice(WORD2_TEMPLATES).format(a=pool[i], b=pool[i + 1]))
+            i += 2
+        else:
+            w = pool[i]
+            out.append(rng.choice(WORD_TEMPLATES).format(w=w, W=w.capitalize()))
+            i += 1
+    return out
+
+
+def _families(seed: int, words: list[str] | None = None) -> list[list[str]]:
     rng = random.Random(seed)
     topic = [tpl.format(t=t) for t in TOPICS for tpl in TOPIC_TEMPLATES]
     compare = [tpl.format(a=a, b=b) for a, b in COMPARE_PAIRS for tpl in COMPARE_TEMPLATES]
@@ -238,21 +301,26 @@ def _families(seed: int) -> list[list[str]]:
     fams = [topic, compare, code, math, story, list(DIALOGUES), rewrite, list(QUESTIONS)]
     for f in fams:
         rng.shuffle(f)
+    if words:
+        fams.append(_word_prompts(rng, words))
     return fams
 
 
-# how many of each family per round of interleaving (the mix any prefix of the list has)
+# how many of each family per round of interleaving (the mix any prefix of the list has):
+# topics, compare, code, math, story, dialogue, rewrite, questions (and words, when given)
 MIX = (8, 1, 3, 2, 1, 1, 1, 2)
+MIX_WORDS = (2, 1, 3, 2, 1, 1, 1, 2, 6)
 
 
-def training_prompts(seed: int = 0) -> list[str]:
-    """Every prompt of the set (about 2,400), deterministically ordered so that any prefix mixes the
-    families in the proportions of MIX (topics 8 : compare 1 : code 3 : math 2 : story 1 :
-    dialogue 1 : rewrite 1 : questions 2), then the remainders."""
-    fams = [list(f) for f in _families(seed)]
+def training_prompts(seed: int = 0, words: list[str] | None = None) -> list[str]:
+    """Every prompt of the set, deterministically ordered so that any prefix mixes the families in
+    the proportions of MIX (topics 8 : compare 1 : code 3 : math 2 : story 1 : dialogue 1 :
+    rewrite 1 : questions 2; about 2,400 prompts), or with `words` (vocabulary_words) of MIX_WORDS,
+    where word topics take 6 of the topics' 8 shares; then the remainders."""
+    fams = [list(f) for f in _families(seed, words)]
     out, seen = [], set()
     while any(fams):
-        for f, k in zip(fams, MIX):
+        for f, k in zip(fams, MIX_WORDS if words else MIX):
             for _ in range(k):
                 if f:
                     p = f.pop(0)

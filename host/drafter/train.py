@@ -58,6 +58,9 @@ class TrainConfig:
     # of those, generated in a second round (tasks over the first round's replies); 0: none. The
     # shipped head was trained without it: with 0.4 the dev acceptance stayed the same (its RECIPE.md)
     context_share: float = 0.0
+    # prompts about words of the target's own vocabulary (prompts.vocabulary_words) join the fixed
+    # set, so topics do not recur; False: the fixed set only (the head shipped before this option)
+    word_prompts: bool = True
     max_new_tokens: int = 192
     gen_batch: int = 128
     gen_dtype: str = "bfloat16"  # the dtype replies are generated in ("auto" = the target's dtype)
@@ -73,6 +76,9 @@ class TrainConfig:
     draft_vocab: int = 0  # 0: the smallest of VOCAB_SIZES covering `coverage` of the training labels
     coverage: float = 0.98
     unroll: int = 2  # chained steps trained (1: step 1 only)
+    # weight of the soft target (the target's own distribution over the draft vocabulary at the
+    # predicted row, from its stored h) against the hard one (its argmax); 0: hard labels only
+    soft: float = 1.0
     step_decay: float = 0.7  # loss weight of step s: decay ** (s - 1)
     init: str = "random"  # "random" (measured best); "block": block + final norm copied from the target's last layer; "target": also eh_proj ~ [0 | I]
     autocast: bool = True  # bfloat16 autocast for the head's matmuls (CPU: avx512_bf16/AMX)
@@ -345,9 +351,13 @@ class Batch:
         self.full = torch.zeros(B, T + unroll, dtype=torch.long)  # target choices c_{j+1}, for chained inputs
         self.lab = torch.full((B, T + unroll), IGNORE, dtype=torch.long)  # draft-vocab index of c_{j+1}
         self.raw = torch.full((B, T + unroll), IGNORE, dtype=torch.long)  # c_{j+1}, trained rows only
+        self.h_next = torch.zeros(B, T + unroll, H)  # h_{j+1}: where the target chose c_{j+1}
+        self.h_next_ok = torch.zeros(B, T + unroll, dtype=torch.bool)
         for b, (h, nxt, lab, start) in enumerate(rows):
             n = len(nxt)
             self.h[b, :n] = h.float()
+            self.h_next[b, :n - 1] = h[1:n].float()
+            self.h_next_ok[b, :n - 1] = True
             self.nxt[b, :n] = nxt
             known = lab >= 0  # -1: a choice not recorded (prompt rows, after the last token)
             self.full[b, :n] = lab.clamp(min=0)
@@ -379,6 +389,15 @@ def head_steps(head: MtpHead, target, batch: Batch, W: torch.Tensor, steps: int,
             tokens = batch.full[:, s - 1:s - 1 + T]
         else:
             tokens = head.draft_vocab[logits.argmax(-1)]
+
+
+def _soft_ce(logits: torch.Tensor, target, h_next: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the head's logits [N, Vd] against the target's own distribution over the
+    draft vocabulary at the predicted rows (its final norm and lm_head rows W over h_next [N, H]):
+    every row teaches the ranking of all draft ids, not only the target's first choice."""
+    with torch.no_grad():
+        p = F.softmax(F.linear(target.get_decoder().norm(h_next), W).float(), dim=-1)
+    return -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
 
 
 def _init_head(head: MtpHead, target, how: str) -> None:
@@ -497,14 +516,16 @@ def _plot(history: dict, path: Path) -> None:
 
 def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> dict:
     """Generate, capture, train and save a head for `target` (a transformers causal LM, eval mode)."""
-    from .prompts import context_prompts, is_validation, training_prompts
+    from .prompts import context_prompts, is_validation, training_prompts, vocabulary_words
 
     t0 = time.time()
     cfg = cfg.resolved()
     work, out = Path(cfg.work_dir), Path(cfg.out)
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    prompts = training_prompts(cfg.seed) if prompts is None else list(prompts)
+    if prompts is None:
+        prompts = training_prompts(cfg.seed, vocabulary_words(tok) if cfg.word_prompts else None)
+    prompts = list(prompts)
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -608,6 +629,10 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
                     lab = bt.lab[:, s - 1:T + s - 1]
                     m = lab != IGNORE
                     ls = F.cross_entropy(logits[m].float(), lab[m]) if m.any() else logits.sum() * 0
+                    if cfg.soft:
+                        ms = m & bt.h_next_ok[:, s - 1:T + s - 1]
+                        if ms.any():
+                            ls = (1 - cfg.soft) * ls + cfg.soft * _soft_ce(logits[ms], target, bt.h_next[:, s - 1:T + s - 1][ms], W)
                     parts.append(float(ls.detach()))
                     loss = loss + weights[s - 1] * ls
             opt.zero_grad(set_to_none=True)
@@ -638,7 +663,9 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     recipe = {
         "method": "self-distillation (target's own replies, its argmax choices as labels)",
         "command": cfg.command,
-        "prompts": "host.drafter.prompts.training_prompts(seed) (topics x tasks, code, math, stories, dialogue, rewrite, "
+        "prompts": ("host.drafter.prompts.training_prompts(seed, vocabulary_words(tokenizer)) (single-word topics of "
+                    "the target's vocabulary x tasks, " if cfg.word_prompts else
+                    "host.drafter.prompts.training_prompts(seed) (") + "topics x tasks, code, math, stories, dialogue, rewrite, "
                    "questions)" + (", then context_prompts over the first round's replies (summarise, translate, "
                                    "extract, answer from one or two passages)" if cfg.context_share else ""),
         "seed": cfg.seed, "tokens_budget": cfg.tokens, "context_share": cfg.context_share, "max_new_tokens": cfg.max_new_tokens, "features": cfg.features,
@@ -650,7 +677,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
         "training": {"epochs": cfg.epochs, "steps": step, "batch_sequences": cfg.batch, "lr": cfg.lr,
                      "schedule": f"linear warmup {warmup} steps, cosine to 10%", "optimizer": "AdamW(0.9, 0.98)",
                      "weight_decay": cfg.weight_decay, "unroll": cfg.unroll, "step_decay": cfg.step_decay,
-                     "init": cfg.init, "autocast_bf16": cfg.autocast},
+                     "init": cfg.init, "autocast_bf16": cfg.autocast, "soft": cfg.soft},
         "validation": {"top1": round(final["top1"], 4),
                        **{f"top1_step{s}": round(final[f"top1_step{s}"], 4) for s in range(2, 5)},
                        "expected_accepted": {str(k + 1): round(x, 4) for k, x in enumerate(final["expected_accepted"])},
@@ -687,6 +714,15 @@ def _agreement(seqs: list[dict]) -> float:
     return round(hit / max(n, 1), 4)
 
 
+def _loss_words(soft: float) -> str:
+    hard = "cross-entropy against the target's argmax (the label)"
+    full = ("cross-entropy against the target's own distribution over the draft vocabulary at the predicted "
+            "row (softmax of its lm_head rows over its final norm of the stored h)")
+    if not soft:
+        return hard
+    return full if soft == 1 else f"{soft} x {full} + {1 - soft:g} x {hard}"
+
+
 def _recipe_md(name: str, r: dict) -> str:
     v, g, t, d = r["validation"], r["generation"], r["training"], r["data"]
     ea = ", ".join(f"k={k}: {x}" for k, x in v["expected_accepted"].items())
@@ -718,7 +754,7 @@ Data (seed {r['seed']}):
 Training: {t['epochs']} epochs, {t['steps']} steps of {t['batch_sequences']} sequences, {t['optimizer']}, lr {t['lr']}
 ({t['schedule']}), weight decay {t['weight_decay']}, {t['unroll']} chained steps trained (step s weighted
 {t['step_decay']}^(s-1), step s > 1 fed the previous label and the previous step's output), init {t['init']},
-bfloat16 autocast {t['autocast_bf16']}.
+bfloat16 autocast {t['autocast_bf16']}. Loss per step: {_loss_words(t.get('soft', 0.0))}.
 
 Time (s): {json.dumps(r['time_s'])} on {r['host']}.
 

@@ -25,6 +25,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-share", type=float, default=d.context_share,
                    help=f"share of --tokens generated in the second round, tasks over the first round's replies "
                         f"(summarise, translate, extract...; 0: none; default {d.context_share})")
+    p.add_argument("--no-word-prompts", action="store_true",
+                   help="only the fixed prompt set: no prompts about words of the model's vocabulary")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help=f"longest reply per prompt (default {d.max_new_tokens})")
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the training replies (default {d.epochs})")
@@ -40,6 +42,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="capture h and the target's argmax while generating (default, fast) or by one more "
                         "forward of the model in its own dtype (exact, slower)")
     p.add_argument("--unroll", type=int, default=d.unroll, help=f"chained draft steps trained (default {d.unroll})")
+    p.add_argument("--soft", type=float, default=d.soft,
+                   help=f"weight of the soft target (the model's own distribution over the draft vocabulary) "
+                        f"against its argmax label, 0..1 (default {d.soft})")
     p.add_argument("--init", default=d.init, choices=["target", "block", "random"],
                    help="the head's initial weights: random (default, measured best), block (block and final norm copied from the target's last layer), target (also eh_proj = [0 | I])")
     p.add_argument("--no-autocast", action="store_true", help="train in float32 (default: bfloat16 autocast)")
@@ -72,10 +77,10 @@ def run(args) -> int:
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg = TrainConfig(name=args.name, out=args.out, work_dir=args.work_dir, tokens=args.tokens,
-                      context_share=args.context_share,
+                      context_share=args.context_share, word_prompts=not args.no_word_prompts,
                       max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
                       seed=args.seed, batch=args.batch, gen_batch=args.gen_batch, gen_dtype=args.gen_dtype,
-                      unroll=args.unroll, features=args.features, init=args.init, autocast=not args.no_autocast, resume=args.resume,
+                      unroll=args.unroll, soft=args.soft, features=args.features, init=args.init, autocast=not args.no_autocast, resume=args.resume,
                       progress=not args.quiet,
                       command=getattr(args, "command_line", None) or "pie " + shlex.join(sys.argv[1:]))
     res = train(model, tok, cfg)
