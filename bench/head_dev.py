@@ -28,7 +28,7 @@ from .common import bar_chart, chat_ids, load_prompts, machine, table, write
 
 
 def _replies(model, tok, rows: list[dict], n: int, batch: int = 8) -> list[dict]:
-    from host.drafter.train import _eos_ids
+    from host.drafter.train import _eos_ids, until_eos
 
     eos = _eos_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
@@ -42,11 +42,7 @@ def _replies(model, tok, rows: list[dict], n: int, batch: int = 8) -> list[dict]
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                                  pad_token_id=pad, eos_token_id=eos or None)
         for b, e in enumerate(enc):
-            reply = out[b, L:].tolist()
-            for j, t in enumerate(reply):
-                if t in eos:
-                    reply = reply[:j + 1]
-                    break
+            reply = until_eos(out[b, L:].tolist(), eos)
             seqs.append({"prompt_index": i + b, "ids": e + reply, "prompt_len": len(e)})
         print(f"replies {min(i + batch, len(rows))}/{len(rows)}", flush=True)
     return seqs

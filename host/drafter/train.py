@@ -134,6 +134,14 @@ def _gen_meta(cfg: TrainConfig, prompts: list[str]) -> dict:
             "prompts": len(prompts), "first_prompt": prompts[0] if prompts else ""}
 
 
+def until_eos(reply: list[int], eos: list[int]) -> list[int]:
+    """A generated reply up to and including its first end-of-sequence token (padding after it dropped)."""
+    for j, t in enumerate(reply):
+        if t in eos:
+            return reply[:j + 1]
+    return reply
+
+
 def _reply_tokens(seqs: list[dict]) -> int:
     return sum(len(q["ids"]) - q["prompt_len"] for q in seqs)
 
@@ -210,11 +218,7 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
             handle.remove()
         shard = []
         for b, i in enumerate(idx):
-            reply = out[b, T:].tolist()
-            for j, t in enumerate(reply):
-                if t in eos:
-                    reply = reply[:j + 1]
-                    break
+            reply = until_eos(out[b, T:].tolist(), eos)
             q = {"prompt_index": first_index + i, "ids": enc[b] + reply, "prompt_len": len(enc[b]), "sampled": sample}
             if inline:  # h of rows 0..L-2 (prefill, then one row per decode step); c_j for j >= P-1
                 P, n, o = len(enc[b]), len(reply), T - len(enc[b])
