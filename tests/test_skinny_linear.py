@@ -76,8 +76,38 @@ def test_bad_arguments_are_refused(ops, case, message):
         packed = w
     with pytest.raises(RuntimeError, match=message):
         ops.linear(x, packed, b, n)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.pack(w.double())
+    with pytest.raises(RuntimeError, match="skinny_pack"):  # blocks of another dtype
+        ops.linear(torch.randn(3, 16), ops.pack(w).half(), b, 100)
+
+
+@pytest.mark.parametrize("n,k", [(200, 96), (7, 5), (960, 576)])
+def test_bfloat16_blocks_give_the_float32_blocks_bits(ops, n, k):
+    """A weight whose values are all bfloat16 values (a bfloat16 checkpoint run in float32) may
+    be packed as bfloat16: each is widened to the same float32, so every row's bits are the same."""
+    w, b = weights(n, k)
+    w = w.bfloat16().float()
+    wide, narrow = ops.pack(w), ops.pack(w.bfloat16())
+    assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
+    x = torch.randn(40, k)
+    for rows in (1, 2, 5, 12, 13, 40):
+        assert torch.equal(ops.linear(x[:rows], narrow, b, n), ops.linear(x[:rows], wide, b, n))
+
+
+def test_linear_py_packs_exact_bfloat16_weights_narrow_and_others_wide(ops):
+    mod = torch.nn.Linear(96, 150)
+    assert linear.pack(mod).skinny.dtype == torch.float32  # random float32 values: not exact in bfloat16
+    with torch.no_grad():
+        mod.weight.copy_(mod.weight.bfloat16().float())
+    packed = linear.pack(mod)
+    assert packed.skinny.dtype == torch.bfloat16
+    assert packed.blocked is not None  # oneDNN's copy for more rows stays float32
+    x = torch.randn(9, 96)
+    assert torch.allclose(linear.packed_linear(x, packed), mod(x), atol=1e-5)
+    with torch.no_grad():
+        mod.weight[3, 4] = float("nan")  # a NaN never equals itself: kept as it is
+    assert linear.pack(mod).skinny.dtype == torch.float32
 
 
 def test_linear_py_sends_few_rows_to_the_kernel_and_more_to_onednn(ops):

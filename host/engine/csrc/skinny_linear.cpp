@@ -9,6 +9,10 @@
 // Each output is one multiply-add chain over k = 0..K-1 in order, then + b, whatever the row
 // count and wherever the row sits: a row gets the same bits in a batch of one as in a batch of
 // thirty, which the verification of a draft window relies on (tests/test_skinny_linear.py).
+//
+// The blocks may hold bfloat16 (a weight whose float32 values are all bfloat16 values, as a
+// draft head's read from a bfloat16 checkpoint): half the bytes to read, each widened to the same
+// float32 exactly, so the product has the same bits as over the float32 blocks.
 #include "kernels.h"
 #include "vec.h"
 
@@ -35,18 +39,33 @@ constexpr int kRows = 12;  // 12 accumulators of 16 registers
 constexpr int64_t kBlock = kLanes * kVecs;  // output columns a block holds
 constexpr int64_t kPrefetch = 1024;         // floats ahead: 4 KiB
 
+// kLanes weights from the blocks, as float32
+inline vf load_w(const float* p) { return load(p); }
+
+inline vf load_w(const at::BFloat16* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif defined(__AVX2__)
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+  vf v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
 // R rows of x times one block over all K, into cols (<= kBlock) columns of y
-template <int R>
-void block_rows(const float* __restrict w, const float* __restrict x, int64_t k, float* __restrict y,
+template <int R, typename W>
+void block_rows(const W* __restrict w, const float* __restrict x, int64_t k, float* __restrict y,
                 int64_t y_stride, int64_t cols, const float* __restrict bias) {
   vf acc[R][kVecs];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < kVecs; ++j) acc[m][j] = vf{};
   for (int64_t i = 0; i < k; ++i) {
-    const float* wi = w + i * kBlock;
-    prefetch(wi + kPrefetch, kBlock);
+    const W* wi = w + i * kBlock;
+    prefetch(reinterpret_cast<const float*>(wi + kPrefetch), kBlock * sizeof(W) / sizeof(float));
     vf wv[kVecs];
-    for (int j = 0; j < kVecs; ++j) wv[j] = load(wi + kLanes * j);
+    for (int j = 0; j < kVecs; ++j) wv[j] = load_w(wi + kLanes * j);
     for (int m = 0; m < R; ++m) {
       const float xv = x[m * k + i];
       for (int j = 0; j < kVecs; ++j) acc[m][j] = fmadd(wv[j], xv, acc[m][j]);
@@ -61,8 +80,8 @@ void block_rows(const float* __restrict w, const float* __restrict x, int64_t k,
   }
 }
 
-template <int R = kRows>
-void tile(int rows, const float* w, const float* x, int64_t k, float* y, int64_t y_stride, int64_t cols,
+template <int R = kRows, typename W>
+void tile(int rows, const W* w, const float* x, int64_t k, float* y, int64_t y_stride, int64_t cols,
           const float* bias) {
   if constexpr (R > 1) {
     if (rows < R) return tile<R - 1>(rows, w, x, k, y, y_stride, cols, bias);
@@ -70,11 +89,25 @@ void tile(int rows, const float* w, const float* x, int64_t k, float* y, int64_t
   block_rows<R>(w, x, k, y, y_stride, cols, bias);
 }
 
+template <typename W>
+void run_blocks(const W* wp, const float* xp, const float* bp, float* yp, int64_t m, int64_t k, int64_t n,
+                int64_t blocks) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
+      for (int64_t r = 0; r < m; r += kRows)
+        tile(static_cast<int>(std::min<int64_t>(kRows, m - r)), wp + b * k * kBlock, xp + r * k, k,
+             yp + r * n + c0, n, cols, bp == nullptr ? nullptr : bp + c0);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor skinny_pack(at::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-              "skinny_pack: a CPU float32 [N, K] weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "skinny_pack: a CPU float32 or bfloat16 [N, K] weight");
   const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlock - 1) / kBlock;
   auto padded = at::zeros({blocks * kBlock, k}, weight.options());
   padded.slice(0, 0, n).copy_(weight);
@@ -86,8 +119,8 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor packed, const std::optional<at
   RECORD_FUNCTION("pie::skinny_linear", std::vector<c10::IValue>());  // named in profiles
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "skinny_linear: x is CPU float32 [rows, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous() && packed.device().is_cpu(),
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() && packed.device().is_cpu() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
               "skinny_linear: the weight is skinny_pack's");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(packed.size(1) == k, "skinny_linear: x has ", k, " columns, the weight ", packed.size(1));
@@ -100,16 +133,11 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor packed, const std::optional<at
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
-      for (int64_t r = 0; r < m; r += kRows)
-        tile(static_cast<int>(std::min<int64_t>(kRows, m - r)), wp + b * k * kBlock, xp + r * k, k,
-             yp + r * n + c0, n, cols, bp == nullptr ? nullptr : bp + c0);
-    }
-  });
+  if (packed.scalar_type() == at::kBFloat16)
+    run_blocks(packed.data_ptr<at::BFloat16>(), xp, bp, yp, m, k, n, blocks);
+  else
+    run_blocks(packed.data_ptr<float>(), xp, bp, yp, m, k, n, blocks);
   return y;
 }
