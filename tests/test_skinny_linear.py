@@ -4,6 +4,8 @@ its refusals, and where linear.py sends products of each row count."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -130,3 +132,31 @@ def test_without_a_blocked_copy_more_rows_read_the_plain_weight():
     many = torch.randn(linear.SKINNY_ROWS + 5, 96)
     with torch.no_grad():
         assert torch.allclose(linear.packed_linear(many, packed), mod(many), atol=1e-5)
+
+
+def _mapping_fields(addr: int) -> dict:
+    """The /proc/self/smaps fields of the mapping that holds addr."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head.endswith(":"):
+            fields[head[:-1]] = line.split()[1]
+    return fields
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_large_blocks_sit_on_their_own_huge_page_mapping(ops):
+    """A pass streams every weight once: the blocks of a weight of 2 MiB or more start at a 2 MiB
+    boundary of a mapping advised for transparent huge pages (fewer TLB misses, unbroken prefetch)."""
+    w, b = weights(1024, 576)  # 2.25 MiB of blocks
+    packed = ops.pack(w)
+    assert packed.data_ptr() % (2 << 20) == 0
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    if "[never]" not in thp:
+        assert _mapping_fields(packed.data_ptr()).get("THPeligible") == "1"
+    x = torch.randn(3, 576)
+    assert torch.allclose(ops.linear(x, packed, b, 1024), x @ w.T + b, atol=1e-5)
