@@ -41,7 +41,12 @@ constexpr int kRows = 12;  // 12 accumulators of 16 registers
 #endif
 
 constexpr int64_t kBlock = kLanes * kVecs;  // output columns a block holds
-constexpr int64_t kPrefetch = 1024;         // floats ahead: 4 KiB
+constexpr int64_t kPrefetch = 1024;         // weights ahead: 4 KiB of float32, 2 KiB of bfloat16
+
+// the dtypes blocks hold: skinny_pack takes a weight of one, skinny_linear reads blocks of one
+inline bool block_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
 
 // kLanes weights from the blocks, as float32
 inline vf load_w(const float* p) { return load(p); }
@@ -131,8 +136,7 @@ at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& optio
 }  // namespace
 
 at::Tensor skinny_pack(at::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
-                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() && block_dtype(weight),
               "skinny_pack: a CPU float32 or bfloat16 [N, K] weight");
   const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlock - 1) / kBlock;
   auto padded = at::zeros({blocks * kBlock, k}, weight.options());
@@ -148,7 +152,7 @@ at::Tensor skinny_linear(at::Tensor x, at::Tensor packed, const std::optional<at
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "skinny_linear: x is CPU float32 [rows, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() && packed.device().is_cpu() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+                  block_dtype(packed),
               "skinny_linear: the weight is skinny_pack's");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(packed.size(1) == k, "skinny_linear: x has ", k, " columns, the weight ", packed.size(1));
