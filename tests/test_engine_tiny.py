@@ -208,3 +208,37 @@ def test_auto_dtype_is_float32_on_the_cpu():
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(InvalidArgument, match="unknown dtype"):
         resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_a_context_on_consecutive_pages_is_one_run_of_slots():
+    from host.engine.pages import PagePool
+    from host.engine.working_set import WorkingSet
+
+    pool = PagePool(16, 4)
+    assert WorkingSet(1, pool, pages=[3, 4, 5]).slot_run(10) == (12, 22)  # rows 0..9 on pages 3, 4, 5
+    assert WorkingSet(2, pool, pages=[3, 4, 9]).slot_run(8) == (12, 20)  # only the pages the rows use count
+    assert WorkingSet(3, pool, pages=[3, 5, 6]).slot_run(5) is None  # a gap: attention gathers the slots
+    assert WorkingSet(4, pool, pages=[4, 3]).slot_run(6) is None  # out of order
+    assert WorkingSet(5, pool, pages=[4, 5]).slot_run(9) is None  # more rows than its pages hold
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_group_builds_the_mask_only_for_sdpa(kernel):
+    """Short windows the kernel attends need no mask; SDPA's do, as do long windows either way."""
+    from host.engine import attention
+    from host.engine.pages import PagePool
+    from host.engine.working_set import WorkingSet
+
+    pool = PagePool(16, 4)
+    a, b = WorkingSet(1, pool, pages=[0, 1, 2]), WorkingSet(2, pool, pages=[5, 3])
+    g = attention.make_group(torch.device("cpu"), [0], [3], [6], [9], [a], True, kernel)
+    assert g.ctx_range == (0, 9) and g.ctx_slots is None and g.passes == ([0], [3], [6])
+    assert (g.mask is None) == kernel
+    if not kernel:  # row i of the window sees keys 0..6 + i
+        assert g.mask[0, 0].sum(-1).tolist() == [7, 8, 9]
+    g = attention.make_group(torch.device("cpu"), [0, 3], [3, 1], [6, 4], [9, 5], [a, b], True, kernel)
+    assert g.ctx_range is None and g.ctx_slots.tolist() == [list(range(9)), [20, 21, 22, 23, 12, 0, 0, 0, 0]]
+    assert (g.mask is None) == kernel
+    long, c = attention.SMALL_WINDOW + 1, WorkingSet(3, pool, pages=[6, 7, 8, 9, 10, 11])
+    g = attention.make_group(torch.device("cpu"), [0], [long], [2], [long + 2], [c], True, kernel)
+    assert g.passes is None and g.mask is not None

@@ -86,6 +86,7 @@ class MtpHead(nn.Module):
             # past the target's, is a full-attention layer (the engine runs only those)
             cfg.layer_types = list(types) + ["full_attention"] * (idx + 1 - len(types))
         self.hidden_first = hidden_first
+        self.eps = eps
         self.enorm = _norm_like(target, H, eps)
         self.hnorm = _norm_like(target, H, eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
@@ -108,8 +109,13 @@ class MtpHead(nn.Module):
         self.config._attn_implementation = implementation
         self.block.self_attn.config = self.config
 
-    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        e, h = self.enorm(embeds), self.hnorm(hidden)
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor, norm=None) -> torch.Tensor:
+        """eh_proj's input and product; norm(x, module), if given, computes enorm's and hnorm's
+        RMSNorm in place of the modules (the engine's own kernel)."""
+        if norm is None:
+            e, h = self.enorm(embeds), self.hnorm(hidden)
+        else:
+            e, h = norm(embeds, self.enorm), norm(hidden, self.hnorm)
         return self.eh_proj(torch.cat([h, e] if self.hidden_first else [e, h], dim=-1))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings, **block_kwargs) -> torch.Tensor:

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .working_set import WorkingSet
 
 NAME = "pie_paged"
 
@@ -36,7 +40,7 @@ class Group:
     ctx_range: tuple[int, int] | None  # one pass whose context is one run of slots: a view, no gather
     q_index: torch.Tensor | None  # [B, Wmax] flat row of each padded query; None when `uniform`
     q_valid: torch.Tensor | None  # [B*Wmax] which padded queries are real rows
-    mask: torch.Tensor | None  # [B, 1, Wmax, Lmax] bool; None for a single one-row pass or a causal one
+    mask: torch.Tensor | None  # [B, 1, Wmax, Lmax] bool; None for a single one-row pass, a causal one, or the kernel's
     causal: bool = False  # one pass over an empty context: SDPA's own causal mask, which skips the masked half
     # the whole batch, every window this many rows long (a lone pass, or a batch of decode rows):
     # the queries are the batch's rows in order, so they need no gather and no padding
@@ -62,17 +66,20 @@ class BatchMeta:
 
 
 def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], lengths: list[int],
-               ctx: list[list[int]] | None, ctx_range: tuple[int, int] | None, whole: bool) -> Group:
-    """lengths: each pass's context length (frozen + window). ctx: each pass's context slots, or
-    None with ctx_range for a single pass whose context is one run of slots; whole: the group
-    is the entire batch."""
+               sets: list[WorkingSet], whole: bool, kernel: bool) -> Group:
+    """Passes over the working sets `sets`, one each: lengths is each pass's context length
+    (frozen + window); whole: the group is the entire batch; kernel: short windows attend with the
+    engine's kernel (then they need no mask)."""
     b, wmax, lmax = len(windows), max(windows), max(lengths)
+    run = sets[0].slot_run(lengths[0]) if b == 1 else None  # one run of slots: attention reads a view
     ctx_t = None
-    if ctx is not None:
+    if run is None:
+        ctx = [ws.slots(0, n) for ws, n in zip(sets, lengths)]
         ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
     mask = q_index = q_valid = rows = None
     causal = b == 1 and wmax > 1 and frozen[0] == 0
-    if (b > 1 or wmax > 1) and not causal:
+    short = not causal and wmax <= SMALL_WINDOW
+    if (b > 1 or wmax > 1) and not causal and not (kernel and short):
         fz = torch.tensor(frozen, device=dev)
         cl = torch.tensor(lengths, device=dev)
         qi = torch.arange(wmax, device=dev)
@@ -90,8 +97,8 @@ def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], le
         q_valid = valid.flatten()
         if not whole:
             rows = q_index.flatten()[q_valid]
-    short = (starts, windows, frozen) if not causal and wmax <= SMALL_WINDOW else None
-    return Group(rows, ctx_t, ctx_range, q_index, q_valid, mask, causal, uniform, passes=short)
+    return Group(rows, ctx_t, run, q_index, q_valid, mask, causal, uniform,
+                 passes=(starts, windows, frozen) if short else None)
 
 
 def _attend(g: Group, kv, query, scaling):

@@ -114,6 +114,10 @@ class HeadRunner:
             decoder, self.linears, engine.stack.native, engine.stack.rows, layers=[head.block],
             final_norm=head.norm, first_layer=layer)
         self._states: dict[int, DraftState] = {}
+        # the fused input's two norms as the stack's own (one C++ call each on CPU float32)
+        rows = None if self._stack is None else self._stack.rows
+        self._norm = None if rows is None else (
+            lambda x, norm: rows.residual_norm(x.contiguous(), None, norm.weight, head.eps)[1])
 
     def bind(self, ws: WorkingSet) -> Binding:
         """The working set's one state for this head: every program run on it (a prompt pass's, then
@@ -149,7 +153,7 @@ class HeadRunner:
                 live.append(b)
         if not live:
             return drafts, n
-        last = self._catch_up([states[b] for b in live])
+        last, normed = self._catch_up([states[b] for b in live])
         # chain: one row per pass, at the scratch rows past the committed ones
         rows = [states[b].ws.frozen + counts[b] for b in live]  # the row the next step writes
         firsts = [states[b].ws.next_position + counts[b] for b in live]
@@ -158,10 +162,11 @@ class HeadRunner:
         if len(active) < len(live):
             if not active:
                 return drafts, n
-            last = last.index_select(0, torch.tensor(active, device=eng.device))
+            sel = torch.tensor(active, device=eng.device)
+            last, normed = last.index_select(0, sel), normed.index_select(0, sel)
         qs: list[list[torch.Tensor]] = [[] for _ in live]
         for j in range(k):
-            logits = self._out(self.head.norm(last)).float()
+            logits = self._out(normed).float()
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1)
                 u = uniforms[[live[i] for i in active], j].to(logits.device)
@@ -183,11 +188,13 @@ class HeadRunner:
             if len(keep) < len(active):
                 active = [active[a] for a in keep]
                 sel = torch.tensor(keep, device=eng.device)
-                last, ids_j = last.index_select(0, sel), ids_j.index_select(0, sel.to(ids_j.device))
+                last, normed = last.index_select(0, sel), normed.index_select(0, sel)
+                ids_j = ids_j.index_select(0, sel.to(ids_j.device))
             r = [rows[i] + j for i in active]
             p = [firsts[i] + j for i in active]
             sl = [states[live[i]].ws.slot(ri) for i, ri in zip(active, r)]
-            last = self._run(ids_j.to(eng.device), last, p, sl, [states[live[i]] for i in active], [1] * len(active), r)
+            last, normed = self._run(ids_j.to(eng.device), last, p, sl, [states[live[i]] for i in active],
+                                     [1] * len(active), r)
         if temperature > 0:
             for i, b in enumerate(live):
                 st = states[b]
@@ -223,9 +230,9 @@ class HeadRunner:
                 self._catch_up([st])
 
     # ---- the head over the pool ----------------------------------------------------------
-    def _catch_up(self, states: list[DraftState]) -> torch.Tensor:
+    def _catch_up(self, states: list[DraftState]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head over each state's pending rows, in one pass; returns each one's last row's
-        output [len(states), H] (the chain starts from it)."""
+        output [len(states), H] (the chain starts from it) and its final norm."""
         eng = self.engine
         ids, hid, pos, slots, win, frozen = [], [], [], [], [], []
         for st in states:
@@ -243,33 +250,34 @@ class HeadRunner:
             st.pending = None
         x = torch.cat(ids).to(eng.device)
         h = torch.cat(hid).to(eng.device, eng.dtype)
-        g = self._run(x, h, pos, slots, states, win, frozen)
+        g, normed = self._run(x, h, pos, slots, states, win, frozen)
         ends = torch.tensor(list(_cumsum(win)), device=eng.device) - 1
-        return g.index_select(0, ends)
+        return g.index_select(0, ends), normed.index_select(0, ends)
 
     def _room(self, ws: WorkingSet, row: int) -> bool:
         """Whether the chain may write `row`: its page is the working set's and it is in context."""
         return row < len(ws.pages) * ws.pool.page_size and row < self.engine.info.context_len
 
-    def _run(self, ids, hidden, positions, slots, states, windows, frozen) -> torch.Tensor:
+    def _run(self, ids, hidden, positions, slots, states, windows, frozen) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over a ragged batch: pass i (of states[i]'s working set) has `windows[i]` rows
-        from row frozen[i]."""
+        from row frozen[i]. Returns the block's output [T, H] (a chain's next hidden state) and its
+        final norm (what the head reads out)."""
         eng = self.engine
         dev = eng.device
         starts = list(_cumsum([0] + windows[:-1]))
         ends = [f + w for f, w in zip(frozen, windows)]
-        ctx = [st.ws.slots(0, e) for st, e in zip(states, ends)]
-        group = attention.make_group(dev, starts, windows, frozen, ends, ctx, None, True)
+        group = attention.make_group(dev, starts, windows, frozen, ends, [st.ws for st in states], True,
+                                     eng.attention_kernel is not None)
         meta = attention.BatchMeta(eng.kv, torch.tensor(slots, device=dev), [group], eng.attention_kernel)
         pos = torch.tensor(positions, device=dev)[None]
         e = self._embed(ids)[None]
         if self._stack is not None:
             with self.linears.active():
-                return self._stack.run(self.head.fuse(e[0], hidden.to(e.dtype)), pos[0], meta)[0]
+                return self._stack.run(self.head.fuse(e[0], hidden.to(e.dtype), self._norm), pos[0], meta)
         pe = self._rotary(e, pos)
         with self.linears.active():
-            g = self.head(e, hidden[None].to(e.dtype), pe, position_ids=pos, pie_batch=meta)
-        return g[0]
+            g = self.head(e, hidden[None].to(e.dtype), pe, position_ids=pos, pie_batch=meta)[0]
+        return g, self.head.norm(g)
 
 
 def _cumsum(xs):

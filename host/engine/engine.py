@@ -340,15 +340,9 @@ class Engine:
 
     def _group(self, passes: list[Pass], idx: list[int], starts: list[int], whole: bool) -> attention.Group:
         ends = [passes[i].ws.frozen + passes[i].window for i in idx]  # each pass's context length
-        used = passes[idx[0]].ws.pages[:-(-ends[0] // self.pool.page_size)]
-        if len(idx) == 1 and used == list(range(used[0], used[0] + len(used))):
-            # one pass whose context is one run of pool slots: attention reads a view
-            first = used[0] * self.pool.page_size
-            ctx, ctx_range = None, (first, first + ends[0])
-        else:
-            ctx, ctx_range = [passes[i].ws.slots(0, end) for i, end in zip(idx, ends)], None
         return attention.make_group(self.device, starts, [passes[i].window for i in idx],
-                                    [passes[i].ws.frozen for i in idx], ends, ctx, ctx_range, whole)
+                                    [passes[i].ws.frozen for i in idx], ends, [passes[i].ws for i in idx], whole,
+                                    self.attention_kernel is not None)
 
     def run(self, batch: Batch) -> list[PassOutput]:
         if not torch.is_inference_mode_enabled():  # the scheduler's steps run in it already

@@ -45,6 +45,16 @@ class WorkingSet:
         p = self.pool.page_size
         return [self.pages[r // p] * p + r % p for r in range(start, end)]
 
+    def slot_run(self, end: int) -> tuple[int, int] | None:
+        """The slots of rows [0, end) as one run (first, first + end) where their pages follow each
+        other in the pool (attention then reads a view, no gather), else None."""
+        need = -(-end // self.pool.page_size)
+        used = self.pages[:need]
+        if not used or len(used) < need or used != list(range(used[0], used[0] + need)):
+            return None
+        first = used[0] * self.pool.page_size
+        return first, first + end
+
     def _pages_for(self, rows: int) -> int:
         return -(-rows // self.pool.page_size)
 
