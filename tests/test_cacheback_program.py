@@ -91,6 +91,27 @@ def test_draft_gate_closes_backs_off_and_reopens():
     assert spec.short_draft(1) == 1 and spec.short_draft(5) == 3
 
 
+def test_the_head_gate_follows_more_rounds_and_drafts_all_k():
+    rule, lookup = spec.HEAD_GATE, spec.LOOKUP_GATE
+    assert rule.memory > lookup.memory and not rule.shorten
+
+    def open_rounds(r):  # failed drafts from a full estimate before the gate closes
+        state, k, n = [spec.GATE_INIT, 0, 4, 1], 2, 0
+        while True:
+            state, k = spec.draft_gate(state, k, 0, 2, rule=r)
+            if not k:
+                return n
+            n += 1
+
+    assert open_rounds(rule) > open_rounds(lookup) >= 2
+    state, k = spec.draft_gate([500, 0, 4, 1], 2, 1, 2, rule=rule)  # accepted in part: still all K
+    assert k == 2 and state == [500 - 500 // 8 + 125, 0, 4, 0]
+    assert spec.draft_gate([500, 0, 4, 1], 2, 1, 2, rule=lookup)[1] == 1
+    for bad in (0, 3, 7, -4):
+        with pytest.raises(ValueError, match="divisor of 1000"):
+            spec.GateRule(memory=bad)
+
+
 @pytest.mark.parametrize("prompt,repetitive", [(REPETITIVE, True), (PLAIN, False)])
 def test_greedy_equals_plain_decoding(big, prompt, repetitive):
     eng, _ = big

@@ -24,6 +24,7 @@ from op_reference import covers
 from test_cacheback_program import DIST_PROMPT, REPETITIVE, T, TOP_P, accept_every_draft, chi_square_p, exact_pairs
 
 mtp = importlib.import_module("inferlet.mtp")
+cacheback = importlib.import_module("inferlet.cacheback")
 NAME = "mtp"
 
 
@@ -82,10 +83,11 @@ def tiny_module():
     return Engine(model, TinyTokenizer(), name="tiny", kv_pages=256, page_size=4), ref
 
 
-def start(sched, eng, prompt, K=3, max_tokens=32, seed=0, temperature=0.0, top_p=1.0, adaptive=True, verify=None):
+def start(sched, eng, prompt, K=3, max_tokens=32, seed=0, temperature=0.0, top_p=1.0, adaptive=True, verify=None,
+          **kw):
     """The prompt's pass (its epilogue drafts the first window), then the loop: both on the engine."""
     prog, specs = mtp.mtp_program(drafter=NAME, start=len(prompt) - 1, draft_len=K, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p, seed=seed, adaptive=adaptive)
+                                  temperature=temperature, top_p=top_p, seed=seed, adaptive=adaptive, **kw)
     if verify is not None:  # a broken rule, to show the distribution test can fail
         prog = _with_rule(K, max_tokens, len(prompt) - 1, seed, verify)
     first = mtp.mtp_prefill_program(drafter=NAME, draft_len=K, max_tokens=max_tokens, temperature=temperature, seed=seed)
@@ -95,7 +97,9 @@ def start(sched, eng, prompt, K=3, max_tokens=32, seed=0, temperature=0.0, top_p
 
     def loop():
         lp = DeviceLoop(ws, P, ch, ch["window"], max_window=K + 1, rounds=1000, seed=seed, hidden=True,
-                        drafters=eng.bind_drafters(P.checked.drafters, ws))
+                        drafters=eng.bind_drafters(P.checked.drafters, ws),
+                        on_round=lambda lp, w, f, cost: lp.folds.append((w, f)))
+        lp.folds = []  # (window, fold) of each round
         return lp, sched.start_loop(lp)
 
     lp, fut = compute().call(loop)
@@ -139,6 +143,25 @@ def test_greedy_output_equals_plain_greedy(tiny_module, greedy_text, K, adaptive
     assert eng.pool.free_pages == eng.pool.num_pages
 
 
+def test_the_draft_length_follows_the_head_gate(tiny_module, greedy_text):
+    """Replayed from the rounds' (window, fold) log, the reference rule (cacheback.draft_gate with
+    HEAD_GATE) allows every window the device drafted."""
+    eng, _ = head_engine(tiny_module, greedy_text)  # a random head: mostly wrong, so the gate closes
+    K = 3
+    out, stats, lp = run(eng, REPETITIVE, K=K, max_tokens=48)
+    assert out == greedy_text
+    state, ks = list(mtp.mtp_program(drafter=NAME, start=1, draft_len=K)[1][-1]["init"]), []
+    for w, f in lp.folds[:-1]:  # the last round may be cut by max_tokens
+        state, k = cacheback.draft_gate(state, w - 1, f - 1, K, rule=cacheback.HEAD_GATE)
+        ks.append(k)
+    drafted = [w - 1 for w, _ in lp.folds[1:]]
+    assert all(d <= k for d, k in zip(drafted, ks))
+    # the same length wherever the tokens left (max_tokens) did not cut it: the last rounds'
+    room = [48 - sum(f for _, f in lp.folds[:i + 1]) - 1 for i in range(len(ks))]
+    assert all(d == k for d, k, r in zip(drafted, ks, room) if r >= K)
+    assert 0 in ks and K in ks  # the gate closed, and probes reopened it
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, greedy_text, adaptive):
     """The head's KV rows, built round by round over whatever each round folded (its chains written
@@ -154,7 +177,9 @@ def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, 
         return keep(state, tokens, hidden)
     DraftState.keep = counted
     try:
-        out, stats, lp = run(eng, REPETITIVE, K=3, max_tokens=60, temperature=1.0, seed=3, adaptive=adaptive)
+        # the lookup drafts' rule closes the gate after fewer misses than the head's: more rounds defer
+        out, stats, lp = run(eng, REPETITIVE, K=3, max_tokens=60, temperature=1.0, seed=3, adaptive=adaptive,
+                             gate_rule=cacheback.LOOKUP_GATE)
     finally:
         DraftState.keep = keep
     assert stats.drafted - stats.accepted > 10

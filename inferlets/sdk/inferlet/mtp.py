@@ -9,11 +9,12 @@ with the token after it) and chains it into the first window's drafts. Each roun
 (`mtp_program`) then verifies the window [t0, d1..dk] (greedy, or Leviathan rejection sampling with
 the head's own distributions as q), emits and folds 1 + accepted rows, runs the head over exactly
 the rows it folds (so its KV rows stay those of the committed text) and chains it k times for the
-next window. The draft length adapts as cacheback's does (`cacheback.gate`).
+next window. The draft length adapts by cacheback's gate (`cacheback.gate`) under the head's rule
+(`cacheback.HEAD_GATE`: a longer moving average, and no halving after a miss).
 """
 
 from . import trace
-from .cacheback import gate
+from .cacheback import HEAD_GATE, gate
 from .round import emit_and_fold, head_verify, verify_window
 
 
@@ -36,7 +37,7 @@ def mtp_prefill_program(*, drafter, draft_len=4, max_tokens=256, temperature=0.0
 
 
 def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temperature=0.0, top_p=1.0, seed=0,
-                adaptive=True, probe_after=4, probe_max=32):
+                adaptive=True, probe_after=4, probe_max=32, gate_rule=HEAD_GATE):
     """Trace the MTP round. start: the frozen length when the loop starts (len(prompt) - 1).
     Returns (json_text, channel specs {name, dtype, capacity, init}): "out", "window" (filled by the
     prefill program), and "spec_state" (the draft gate's state) when adaptive."""
@@ -57,7 +58,7 @@ def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temp
     # as long as the gate and the room left allow (a round that will not draft runs no chain)
     limit = p.maximum(max_tokens - out_len - emit - 1, 0)
     if adaptive:
-        limit = p.minimum(limit, gate(p, drafts.size(), n, K, int(probe_after), int(probe_max)))
+        limit = p.minimum(limit, gate(p, drafts.size(), n, K, int(probe_after), int(probe_max), rule=gate_rule))
     d, k_next = p.mtp_draft(hidden, vt, fold, drafter, K, temperature, seed, limit=limit)
     t0 = p.dyn_slice(vt, n, 1, size=1)
     p.set("window", p.concat(t0, d), k_next + 1)
