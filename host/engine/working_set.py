@@ -48,7 +48,7 @@ class WorkingSet:
     def slot_run(self, end: int) -> tuple[int, int] | None:
         """The slots of rows [0, end) as one run (first, first + end) where their pages follow each
         other in the pool (attention then reads a view, no gather), else None."""
-        need = -(-end // self.pool.page_size)
+        need = self._pages_for(end)
         used = self.pages[:need]
         if not used or len(used) < need or used != list(range(used[0], used[0] + need)):
             return None

@@ -37,14 +37,23 @@ class GateRule:
         if self.memory < 1 or 1000 % self.memory:
             raise ValueError("a gate's memory must be a positive divisor of 1000 (the estimate's unit)")
 
+    @property
+    def step(self) -> int:
+        """What one accepted draft adds to the estimate (thousandths over memory)."""
+        return 1000 // self.memory
+
+    def after_miss(self, K):
+        """The draft length after a draft that was not accepted whole."""
+        return short_draft(K) if self.shorten else K
+
 
 # prompt lookup's drafts: a long match either holds or breaks, so the gate follows the last few rounds
 # and a partly rejected draft halves (replayed on the dev prompts' greedy outputs, the rows this saves
 # outweigh the accepted drafts it gives up)
 LOOKUP_GATE = GateRule()
 # a head's drafts: right at a steadier rate, so the estimate follows more rounds (a short run of misses
-# does not close the gate) and every draft takes all K (the head is about as likely right after a miss).
-# On the dev prompts with the shipped head: 1.155x text-completion against 1.093x with LOOKUP_GATE
+# does not close the gate) and every draft takes all K (the head is about as likely right after a miss;
+# the README's MTP section has the comparison)
 HEAD_GATE = GateRule(memory=8, shorten=False)
 
 
@@ -62,9 +71,9 @@ def draft_gate(state, drafted, accepted, K, probe_after=4, probe_max=32, rule=LO
     Returns (new state, next draft length)."""
     e, idle, wait, whole = state
     if drafted:
-        e = e - e // rule.memory + (1000 // rule.memory) * accepted
+        e = e - e // rule.memory + rule.step * accepted
         whole = int(accepted == drafted)
-    k = K if whole or not rule.shorten else short_draft(K)
+    k = K if whole else rule.after_miss(K)
     if e >= GATE_OPEN:
         return [e, 0, probe_after, whole], k
     if drafted and idle < 0:
@@ -204,7 +213,7 @@ def gate(p, d, n, K, probe_after, probe_max, state="spec_state", rule=LOOKUP_GAT
     st = p.read(state)
     e, idle, wait, whole = st[0], st[1], st[2], st[3]
     drafted = d > 0
-    e = p.where(drafted, e - e // rule.memory + n * (1000 // rule.memory), e)
+    e = p.where(drafted, e - e // rule.memory + n * rule.step, e)
     whole = p.where(drafted, (n == d).cast("i64"), whole)
     is_open = e >= GATE_OPEN
     probed = idle < 0
@@ -214,8 +223,7 @@ def gate(p, d, n, K, probe_after, probe_max, state="spec_state", rule=LOOKUP_GAT
     j = p.arange(4)
     p.set(state, p.where(j == 0, e, p.where(j == 1, p.where(probe, -1, idle),
                                                      p.where(j == 2, wait, whole))))
-    short = short_draft(K) if rule.shorten else K
-    return p.where(is_open | probe, p.where(whole > 0, K, short), 0)
+    return p.where(is_open | probe, p.where(whole > 0, K, rule.after_miss(K)), 0)
 
 
 def _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, probe_after, H=0):
