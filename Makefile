@@ -6,7 +6,7 @@ STAMPS  := .stamps
 PROMPT  ?= Repeat this paragraph word for word, then say in one sentence what it is about: The Amazon rainforest covers most of the Amazon basin of South America. It is home to millions of species of insects, plants, birds and other forms of life, and its rivers carry a fifth of the fresh water that flows into the oceans.
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench inferlets kernels model setup clean
+.PHONY: demo test lint bench inferlets kernels model setup clean
 
 setup: $(STAMPS)/venv
 
@@ -31,7 +31,12 @@ model: setup kernels
 inferlets: setup
 	$(PY) inferlets/build.py
 
-test: model inferlets
+# The layer rules (pyproject.toml's import-linter contracts) and ruff's small rule set.
+lint: setup
+	PYTHONPATH=inferlets/sdk .venv/bin/lint-imports --no-cache
+	.venv/bin/ruff check --no-cache .
+
+test: lint model inferlets
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: model inferlets

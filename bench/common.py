@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "specbench-dev.jsonl"
+DATA = ROOT / "data" / "specbench-dev.jsonl"
 RESULTS = ROOT / "results"
 
 

@@ -29,7 +29,7 @@ from host import store
 
 from .common import bar_chart, chat_ids, geomean, load_hf, machine, on_compute, table, write
 
-SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschema-dev.jsonl"
+SCHEMAS = Path(__file__).resolve().parents[1] / "data" / "jsonschema-dev.jsonl"
 OURS = ("constrained-plain", "constrained-spec")
 CONTENDERS = ("hf-grammar", *OURS)
 
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=1, help="runs per contender and schema; the fastest counts")
     args = ap.parse_args(argv)
 
-    from host.runtime.cli import resolve_inferlet
+    from host.paths import resolve_inferlet
     from host.runtime.grammars import grammars_for
     from host.runtime.runtime import Runtime
 
@@ -198,7 +198,7 @@ def report(per_schema: list[dict], engine, n: int, args) -> dict:
             sm["constrained-plain"]["speedup_vs_hf_grammar"], valid, sm["constrained-spec"]["per_pass"],
             sm["constrained-spec"]["forced_per_pass"], sm["constrained-spec"]["drafted_accepted_per_pass"]])
     md = (f"Constrained decoding, {engine.info.name} {engine.info.dtype} on {engine.info.device}; {len(per_schema)} "
-          f"dev schemas (JSONSchemaBench, ../shared/data/jsonschema-dev.jsonl); chat template; up to {n} new tokens; "
+          f"dev schemas (JSONSchemaBench, data/jsonschema-dev.jsonl); chat template; up to {n} new tokens; "
           f"greedy; draft length {args.draft_len}; fastest of {args.repeats} interleaved run(s).\n"
           f"tok/s: median; ratios: geometric means of per-schema tok/s; valid: finished outputs that validate "
           f"(jsonschema), with the number finished; tok/pass: committed tokens per decode pass; forced/pass: output "

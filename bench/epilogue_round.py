@@ -4,7 +4,7 @@
 
 Runs text-completion (device loop, greedy) and cacheback-speculative-decoding (greedy, and
 sampled at temperature 0.8) on the dev prompts (chat template) through the real runtime and
-engine, and times every call of the executor (`Program.run`) from the scheduler: the epilogue's
+engine, and times every call of the executor (`CompiledProgram.run`) from the scheduler: the epilogue's
 host work right after a model call, as a loop pays it. Reports the median microseconds per call
 per prompt, then the median over prompts; the faster of --repeats runs counts for each prompt.
 """
@@ -25,11 +25,11 @@ CONTENDERS = [("text-completion", "text-completion", []),
 
 
 class Timer:
-    """Program.run wrapped: each call's wall time, while `on`."""
+    """CompiledProgram.run wrapped: each call's wall time, while `on`."""
 
     def __init__(self):
-        from host.epilogue.compile import Program
-        self.cls, self.real, self.times, self.on = Program, Program.run, [], False
+        from host.epilogue.compile import CompiledProgram
+        self.cls, self.real, self.times, self.on = CompiledProgram, CompiledProgram.run, [], False
         timer = self
 
         def run(prog, envs, *a, **k):
@@ -39,7 +39,7 @@ class Timer:
             finally:
                 if timer.on:
                     timer.times.append(time.perf_counter() - t0)
-        Program.run = run
+        CompiledProgram.run = run
 
     def close(self):
         self.cls.run = self.real
@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tag", default="", help="a label for this code version in the result file's name")
     args = ap.parse_args(argv)
 
-    from host.runtime.cli import resolve_inferlet
+    from host.paths import resolve_inferlet
     from host.runtime.runtime import Runtime
 
     engine = store.open_engine(args.model, kv_pages=1024)
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "epilogue_round", "tag": args.tag, "model": engine.info.name, "dtype": engine.info.dtype,
               "device": engine.info.device, "prompts": [r["id"] for r in rows], "new_tokens": args.new_tokens,
               "machine": machine(), "summary_us_per_round": summary, "per_prompt": per}
-    md = (f"epilogue time per round (Program.run, after real model calls), {engine.info.name} {engine.info.dtype} on "
+    md = (f"epilogue time per round (CompiledProgram.run, after real model calls), {engine.info.name} {engine.info.dtype} on "
           f"{engine.info.device}, dev prompts {result['prompts']}, {args.new_tokens} new tokens, median over prompts "
           f"of each prompt's median{' [' + args.tag + ']' if args.tag else ''}\n\n"
           + table(["contender", "epilogue us/round"], [[lb, summary[lb]] for lb, _, _ in CONTENDERS]))

@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from host.runtime.cli import resolve_inferlet
+    from host.paths import resolve_inferlet
     from host.runtime.runtime import Runtime
 
     engine = store.open_engine(args.model, device="cpu", dtype="float32", kv_pages=1024)

@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
 
-    from host.runtime.cli import resolve_inferlet
+    from host.paths import resolve_inferlet
     from host.runtime.runtime import Runtime
 
     engine = store.open_engine(args.model, dtype=args.dtype, kv_pages=1024)

@@ -35,7 +35,7 @@ DRAFTER = "{drafter}"
 INFERLETS = {
     "text-completion": ("text-completion", []),
     "cacheback-speculative-decoding": ("cacheback-speculative-decoding", []),
-    "ngram-drafter": ("ngram-drafter", []),  # the "write your own drafter" example: one guest call per round
+    "ngram-proposer": ("ngram-proposer", []),  # the "write your own proposer" example: one guest call per round
     "mtp-speculative-decoding": ("mtp-speculative-decoding", []),
     "hybrid": ("cacheback-speculative-decoding", ["--drafter", DRAFTER]),  # prompt lookup, else the MTP head
 }
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-repeats", type=int, default=8)
     args = ap.parse_args(argv)
 
-    from host.runtime.cli import resolve_inferlet
+    from host.paths import resolve_inferlet
     from host.runtime.runtime import Runtime
 
     engine = store.open_engine(args.model, device="auto", dtype=args.dtype, kv_pages=1024)

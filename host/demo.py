@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args(argv)
 
-    from .runtime.cli import resolve_inferlet
+    from .paths import resolve_inferlet
     from .runtime.runtime import Runtime
 
     try:

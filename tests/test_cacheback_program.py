@@ -17,7 +17,7 @@ from host.engine.loop import DeviceLoop
 from host.engine.scheduler import Scheduler
 from host.epilogue import compile_program
 
-from guest import cells, chan, plain_greedy, trace
+from guest import cells, chan, plain_greedy
 from guest import cacheback as spec
 from guest import speculative
 

@@ -12,7 +12,7 @@ import pytest
 from host.cli import build_parser
 from host.conformance import case as fmt
 from host.conformance import coverage as cv
-from host.conformance.cli import main as conformance_main
+from host.cli.conformance import main as conformance_main
 from host.conformance.probe import probe_wasm
 from host.conformance.runner import SUMMARY, judge
 from wasm_fixtures import TEST_CACHE
@@ -58,9 +58,9 @@ def test_the_suite_passes_in_process(probe, tmp_path):
 
 def _keep_released_handles(monkeypatch):
     """A broken host: release frees the working set but its handle still answers."""
-    from host.runtime.bindings import InstanceHost
+    from host.runtime.bindings import WorkingSetCalls
 
-    monkeypatch.setattr(InstanceHost, "release_ws", lambda self, h: self.engine.release(self._ws(h)))
+    monkeypatch.setattr(WorkingSetCalls, "release", lambda self, h: self.inst.engine.release(self.inst._ws(h)))
 
 
 def _reverse_take(monkeypatch):
@@ -75,9 +75,9 @@ def _fold_one_more(monkeypatch):
     """A broken host: a pass freezes one row more than its fold count (up to the whole window)."""
     from host.engine.working_set import WorkingSet
 
-    commit = WorkingSet.commit
-    monkeypatch.setattr(WorkingSet, "commit",
-                        lambda self, window, fold, first: commit(self, window, min(fold + 1, len(window)), first))
+    apply_fold = WorkingSet.apply_fold
+    monkeypatch.setattr(WorkingSet, "apply_fold",
+                        lambda self, window, fold, first: apply_fold(self, window, min(fold + 1, len(window)), first))
 
 
 def _mask_allows_all(monkeypatch):

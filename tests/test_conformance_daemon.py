@@ -11,7 +11,7 @@ import pytest
 
 from host.cli import build_parser
 from host.conformance import case as fmt
-from host.conformance.cli import main as conformance_main
+from host.cli.conformance import main as conformance_main
 from test_conformance import _keep_released_handles, _share_handle_tables, counts
 from test_daemon import KEY, Served
 from wasm_fixtures import TEST_CACHE, build_inferlet

@@ -18,7 +18,7 @@ from wasm_fixtures import *  # noqa: F401,F403 (fixtures)
 
 pytestmark = [pytest.mark.wasm, pytest.mark.model]
 
-SCHEMAS = [json.loads(line) for line in (Path(__file__).resolve().parents[2] / "shared" / "data" /
+SCHEMAS = [json.loads(line) for line in (Path(__file__).resolve().parents[1] / "data" /
                                          "jsonschema-dev.jsonl").read_text().splitlines() if line.strip()]
 N = 160  # most dev schemas' objects finish well within this
 WAVE = 6  # schemas per wave: each starts K=8 and K=0 (12 instances batched together)

@@ -228,7 +228,7 @@ def test_every_host_function_answers_arguments_of_any_type_with_a_typed_error(ti
     host = InstanceHost(eng, sched, [], 60.0, 0.01)
     try:
         ws = host._add(eng.new_working_set())
-        ch = host.create_channel("uint32", 4)
+        ch = host.calls["channels"].create("uint32", 4)
         typed: dict[str, int] = {}
         for iface, funcs in host.functions().items():
             for fname, fn in funcs.items():
@@ -251,11 +251,11 @@ def test_every_host_function_answers_arguments_of_any_type_with_a_typed_error(ti
 
 
 def test_a_host_bug_ends_its_instance_with_an_internal_error_naming_the_function(tiny_runtime, monkeypatch):
-    from host.runtime.bindings import InstanceHost
+    from host.runtime.bindings import TokenizerCalls
 
     def broken(self, text):
         raise ZeroDivisionError("a host bug")
-    monkeypatch.setattr(InstanceHost, "encode", broken)
+    monkeypatch.setattr(TokenizerCalls, "encode", broken)
     r = run_ending(tiny_runtime, "working-sets", None)  # its first call encodes a prompt
     assert not r.ok
     assert r.error == "internal: host function 'tokenizer.encode' failed: ZeroDivisionError: a host bug"
@@ -323,7 +323,7 @@ def test_a_fold_from_a_float_channel_is_refused(tiny):
     host = InstanceHost(eng, None, [], 60.0, 0.01)
     try:
         ws = host._add(eng.new_working_set())
-        f = host.create_channel("float32", 1)
+        f = host.calls["channels"].create("float32", 1)
         p = rec(ws=ws, embed=[5], geometry=rec(window=1, fold=Variant("from-channel", f)),
                 readout=rec(rows=[0], kind=Variant("none", None)), epilogue=None)
         fn = host.functions()["forward"]["run-loop"]

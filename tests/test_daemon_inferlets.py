@@ -72,7 +72,7 @@ def _attach_until_text(http, run_id):
     return cm, lines
 
 
-# ---- programs ------------------------------------------------------------------------------
+# ---- inferlets ------------------------------------------------------------------------------
 
 def test_upload_is_content_addressed(http, text_completion_wasm):
     wasm = text_completion_wasm.read_bytes()
@@ -104,7 +104,7 @@ def test_oversize_upload_is_413(http, served):
     assert http.get("/v1/models").status_code == 200  # still serving
 
 
-def test_list_programs(http, text_completion_wasm):
+def test_list_inferlets(http, text_completion_wasm):
     http.post("/v1/inferlets", params={"name": "my-tc"}, content=text_completion_wasm.read_bytes())
     data = http.get("/v1/inferlets").json()["data"]
     digest = hashlib.sha256(text_completion_wasm.read_bytes()).hexdigest()
@@ -114,7 +114,7 @@ def test_list_programs(http, text_completion_wasm):
     assert any(p["name"] == "my-tc" and p["hash"] == digest and not p["builtin"] for p in data)
 
 
-def test_unknown_program_and_instance_are_404(http):
+def test_unknown_inferlet_and_instance_are_404(http):
     err = _error(http.post("/v1/instances", json={"inferlet": "no-such-inferlet"}), 404)
     assert err["code"] == "inferlet_not_found"
     _error(http.get("/v1/instances/inst_nope/events"), 404)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from host import cli, store
+from host import cli, paths, store
 from host.drafter import layouts
 from host.drafter.mtp import WEIGHTS_FILE, MtpHead, load_head
 from host.errors import ImportFailed, InvalidArgument
@@ -128,7 +128,7 @@ def test_attach_in_place_list_detach_remove(home, tmp_path, capsys):
     assert "already imported" in capsys.readouterr().out
 
     # a trained head by name ($PIE_HOME/drafters/<name>) and a shipped one, in one import
-    make_head(store.drafters_dir() / "trained1")
+    make_head(paths.drafters_dir() / "trained1")
     make_head(tmp_path / "shipped" / "shipped1")
     assert store.available_drafters() == ["shipped1", "trained1"]
     assert cli.main(["model", "import", str(src), "--drafter", "trained1", "--drafter", "shipped1"]) == 0

@@ -199,7 +199,7 @@ def test_resume_continues_from_checkpoint(tmp_path, monkeypatch, target):
 def test_cli_parser(tmp_path, monkeypatch):
     import argparse
 
-    from host.drafter import train_cli
+    from host.cli import drafter as train_cli
 
     monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
     parser = argparse.ArgumentParser(prog="pie drafter")

@@ -181,10 +181,10 @@ def test_commit_scratch_after_the_pass(tiny):
     ws = eng.new_working_set()
     run(eng, Pass(ws, seq(5), [0]))
     run(eng, Pass(ws, [40, 41, 42], [0, 1, 2], fold=0))  # guest-side verification decides later
-    eng.freeze_scratch(ws, 2)
+    eng.commit(ws, 2)
     assert ws.tokens == seq(5) + [40, 41]
     with pytest.raises(InvalidArgument):
-        eng.freeze_scratch(ws, 2)  # only one scratch row is left
+        eng.commit(ws, 2)  # only one scratch row is left
     (o,) = run(eng, Pass(ws, [43], [0]))
     assert torch.allclose(o.logits[0], ref_logits(ref, seq(5) + [40, 41, 43])[-1], atol=TOL)
 

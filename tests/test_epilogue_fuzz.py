@@ -34,7 +34,10 @@ def _seeds() -> list[dict]:
 
 
 SEEDS = _seeds()
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+# past every dtype's range too: int32 and i64 cells, float32, and ints no float holds (10**400)
+BIG_INTS = [2**31, -(2**31) - 1, 2**40, 2**63, -(2**63) - 1, 2**64, 2**128, 10**400, -(10**400)]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from(BIG_INTS),
+                    st.floats(allow_nan=True),
                     st.text(max_size=4), st.sampled_from(["W", "W-1", "R", "V", "N+3", "i64", "f32", "bool", "out",
                                                           "window", *OPS]))
 json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
@@ -99,8 +102,10 @@ def _env(prog) -> Env:
     dims = {"R": 3, "W": 3, "V": 11, "N": 9, "H": 5, "K": 2, **c.dims}
     for k, v in c.alias.items():
         dims[k] = dims[v]
-    chans = {ch.name: SimpleChannel.empty(ch.capacity, {"i64": torch.int64, "f32": torch.float32,
-                                                        "bool": torch.bool}[ch.dtype]) for ch in c.channels.values()}
+    # an i64 channel is stored as int64 (a WIT u32 channel) or int32 (an s32 one), by turns
+    chans = {ch.name: SimpleChannel.empty(ch.capacity, {"i64": (torch.int64, torch.int32)[i % 2], "f32": torch.float32,
+                                                        "bool": torch.bool}[ch.dtype])
+             for i, ch in enumerate(c.channels.values())}
     return Env(logits=torch.randn(dims["R"], dims["V"]), window=torch.randint(0, dims["V"], (dims["W"],)),
                history=torch.randint(0, dims["V"], (dims["N"],)), hidden=torch.randn(dims["R"], dims["H"]),
                channels=chans, seed=1, round=2)

@@ -65,7 +65,7 @@ def test_lru_ops_match_python_reference_batched(S, g, k, n, vocab):
 
 
 def test_lru_evicts_least_recently_used_and_refreshes():
-    g, k, S = 1, 1, 2
+    g, k = 1, 1
     t, s = ref.lru_update([-1] * 4, [-1] * 2, [1, 10, 2, 20], 4, 3, g, k)  # 1->10, 10->2, 2->20: 1->10 evicted
     assert ref.lru_lookup(t, s, [1], g, k) == [] and ref.lru_lookup(t, s, [2], g, k) == [20]
     t, s = ref.lru_update(t, s, [10, 3], 2, 1, g, k)  # refresh 10 (now 10->3), so 2->20 is the oldest

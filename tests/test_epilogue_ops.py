@@ -207,8 +207,8 @@ def test_ngram_lookup_random_against_reference():
         assert (got[0].tolist(), int(got[1])) == (et, ec), (hist, L, k, lo, hi)
 
 
-def test_ngram_lookup_host_equals_the_tensor_kernel():
-    # the CPU executor's byte search against the tensor kernel: multi-byte token values (a
+def test_ngram_lookup_host_equals_the_tensor_impl():
+    # the CPU executor's byte search against the torch implementation: multi-byte token values (a
     # match may start mid-cell and must be skipped), padding inside the length, batches
     import random
 
@@ -232,7 +232,7 @@ def test_ngram_lookup_host_equals_the_tensor_kernel():
 def test_argmax_helper_equals_torch_argmax():
     # the CPU path runs numpy's argmax: same index as torch for ties (the first), NaN (the
     # first NaN), infinities, integer dtypes, any axis and non-contiguous input
-    from host.epilogue import kernels
+    from host.epilogue import tensors
     g = torch.Generator().manual_seed(5)
     for trial in range(300):
         x = torch.randint(-3, 4, (3, 17), generator=g).float()  # many ties
@@ -244,7 +244,7 @@ def test_argmax_helper_equals_torch_argmax():
             if t.dtype == torch.int64 and trial % 3 == 0:
                 continue  # NaN has no integer value
             for dim in range(t.dim()):
-                got = kernels.argmax(t, dim)
+                got = tensors.argmax(t, dim)
                 assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim)), (t, dim)
 
 

@@ -130,7 +130,7 @@ def test_a_batch_equals_its_passes_alone(make):
 
 
 def test_a_greedy_round_in_host_memory_makes_no_tensor():
-    """text-completion's shape of program: numpy's argmax, host scalars, no torch call, no kernel."""
+    """text-completion's shape of program: numpy's argmax, host scalars, no torch call, no implementation."""
     prog = compile_program(no_effects().to_json())
     (res,), src = run_as(prog, [env(0, {})], True)
     assert "torch." not in src and "k" not in {line.strip()[:1] for line in src.splitlines()}, src
@@ -265,7 +265,7 @@ def test_every_variant_has_a_case():
 
 
 @pytest.mark.parametrize("op,j,host,make", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_each_variant_is_taken_and_equals_the_kernels(op, j, host, make):
+def test_each_variant_is_taken_and_equals_the_implementation(op, j, host, make):
     """The plan takes the variant (its name is in the generated source) and gives what the plan
     for the other situation gives (host memory against a device: other implementations)."""
     prog = compile_program(make().to_json())

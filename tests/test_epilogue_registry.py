@@ -1,6 +1,6 @@
 """The op registry is complete: every op has a type rule, an implementation, a doc entry in
 wit/epilogue-ir.md (written from the registry) and a reference test; the host's scalar
-functions and the plan's inline expressions agree with the torch kernels."""
+functions and the plan's inline expressions agree with the torch implementations."""
 
 import itertools
 
@@ -13,7 +13,7 @@ import test_epilogue_ops  # noqa: F401
 import test_epilogue_sampling  # noqa: F401
 import test_mtp_program  # noqa: F401
 from host.epilogue.ir import Op, Value
-from host.epilogue.kernels import Ctx
+from host.epilogue.tensors import Ctx
 from host.epilogue.ops import FAMILIES, OPS
 from host.epilogue.ops.doc import DOC, rewrite
 from op_reference import COVERED
@@ -25,7 +25,7 @@ def test_every_op_is_declared_whole():
         assert spec.arity and all(isinstance(n, int) and n >= 0 for n in spec.arity), name
         assert callable(spec.infer), name
         assert spec.doc and spec.doc.startswith(f"`{name}("), name
-        assert (spec.kernel is None) == spec.effect, f"{name}: a kernel, unless it is an effect"
+        assert (spec.impl is None) == spec.effect, f"{name}: an implementation, unless it is an effect"
         assert spec.inline is None or spec.host is not None, name
 
 
@@ -56,7 +56,7 @@ def _domain(spec):
 
 
 @pytest.mark.parametrize("name", sorted(n for n, s in OPS.items() if s.host is not None))
-def test_host_function_equals_the_kernel(name):
+def test_host_function_equals_the_impl(name):
     spec = OPS[name]
     dom = _domain(spec)
     op = Op(0, name, list(range(len(dom))), {}, [len(dom)])
@@ -65,7 +65,7 @@ def test_host_function_equals_the_kernel(name):
     ctx = Ctx(1, torch.device("cpu"), {}, [0], [0], values)
     for xs in itertools.product(*dom):
         ts = [torch.tensor([x], dtype=torch.bool if isinstance(x, bool) else torch.int64) for x in xs]
-        want = spec.kernel(ctx, op, ts)[0].item()
+        want = spec.impl(ctx, op, ts)[0].item()
         got = spec.host(*xs)
         assert got == want and type(got) in (int, bool), (name, xs, got, want)
         if spec.inline is not None:  # the plan's inline expression, on the same Python values

@@ -143,3 +143,36 @@ def test_budget_checked_when_the_pass_binds_its_dims():
     rejects_run = pytest.raises(ProgramError, match="MiB")
     with rejects_run:
         p.run([Env(logits=torch.zeros(1, 49152))])  # 18 GiB
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), 2**128, [1.0, 10**400], [[0, -(2**1000)]]])
+def test_f32_constant_past_float32_as_an_int(value):
+    """An int past float32's range: refused at validation (math.isfinite(10**400) raises OverflowError)."""
+    rejects(prog([{"op": "const", "attrs": {"value": value, "dtype": "f32"}}]), "op 0 (const)")
+    rejects(prog([{"op": "full", "attrs": {"shape": [2], "value": value, "dtype": "f32"}}]), "op 0 (full)")
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 2**64, 10**400, [0, 2**63]])
+def test_i64_constant_past_its_range(value):
+    rejects(prog([{"op": "const", "attrs": {"value": value, "dtype": "i64"}}]), "op 0 (const)")
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)])
+def test_number_attr_past_float32_as_an_int(value):
+    rejects(prog([{"op": "softmax", "args": [0], "attrs": {"temperature": value}}]), "op 0 (softmax)")
+
+
+@pytest.mark.parametrize("cells", [[2**40], [2**40, 1], [-(2**31) - 1]])
+def test_i64_into_an_int32_channel_is_invalid_argument(cells):
+    """A channel the runtime stores as int32 (an int32 WIT channel): a cell past its range is the
+    program's invalid-argument, not an OverflowError out of the executor."""
+    import torch
+
+    from host.epilogue import Env, SimpleChannel
+
+    p = compile_program(prog([{"op": "const", "attrs": {"value": cells, "dtype": "i64"}},
+                              {"op": "put", "args": [0], "attrs": {"channel": "out"}}], inputs=(),
+                             channels=[{"name": "out", "dtype": "i64", "capacity": 4}]))
+    out = SimpleChannel(torch.zeros(4, dtype=torch.int32), 0)
+    with pytest.raises(InvalidArgument, match="int32"):
+        p.run([Env(channels={"out": out})])

@@ -389,7 +389,7 @@ def test_a_limit_stops_the_chain_and_zero_leaves_the_heads_rows_for_later(tiny_m
         assert not torch.equal(eng.kv[-1][:, :, rows], before[:, :, rows])
     rows = wss[2].slots(0, 16)  # the limit-0 one keeps them for when it next drafts
     assert torch.equal(eng.kv[-1][:, :, rows], before[:, :, rows])
-    wss[2].commit(REPETITIVE[:16], 16, 0)  # the round's fold
+    wss[2].apply_fold(REPETITIVE[:16], 16, 0)  # the round's fold
     runner.catch_up(wss[2])
     torch.testing.assert_close(eng.kv[-1][:, :, rows], eng.kv[-1][:, :, wss[0].slots(0, 16)])
 
@@ -406,12 +406,12 @@ def test_pending_head_rows_are_written_in_the_next_drafting_pass_or_dropped_afte
     toks = torch.tensor([P[1:] + [0]] * 2)
 
     def fold(ws, rows):  # what a round's fold does to the working set after its epilogue
-        ws.commit(P[ws.frozen:ws.frozen + rows], rows, ws.next_position)
+        ws.apply_fold(P[ws.frozen:ws.frozen + rows], rows, ws.next_position)
 
     with torch.inference_mode():
         sa, sb = runner.bind(a).state, runner.bind(b).state
         # a: rounds of 4, 4, 3 rows; only the last drafts. b: all at once
-        for i, (start, c, lim) in enumerate([(0, 4, 0), (4, 4, 0), (8, 3, 2)]):
+        for start, c, lim in [(0, 4, 0), (4, 4, 0), (8, 3, 2)]:
             d, n = runner.propose([sa], hidden[:1, start:start + c], toks[:1, start:start + c], [c], 2, 0.0, None, [lim])
             assert n == [lim] and (sa.pending is None) == (lim > 0)
             fold(a, c)

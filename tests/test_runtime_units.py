@@ -81,7 +81,7 @@ def test_component_header_checks():
 def test_pie_run_argument_split():
     import argparse
 
-    from host.runtime.cli import add_run_parser, _split_rest
+    from host.cli.run import add_run_parser, _split_rest
 
     parser = argparse.ArgumentParser()
     add_run_parser(parser.add_subparsers(dest="command"))
@@ -143,8 +143,8 @@ def test_the_sampler_draws_what_a_traced_sample_draws(temperature, top_p):
 
 
 def test_wasmtime_lowering_keeps_one_case_set_per_thread():
-    """wasmtime-py's lowering picks a result's case through a module-global set; bindings.py gives
-    each thread its own, so instances returning at once cannot read each other's classes."""
+    """wasmtime-py's lowering picks a result's case through a module-global set; the bindings give
+    each thread its own (wasmtime_internals), so instances returning at once cannot read each other's classes."""
     import threading
 
     import host.runtime.bindings  # noqa: F401  (installs the repair)

@@ -1,5 +1,5 @@
 """Speculative inferlets through Wasm on the default model: cacheback (device loop), the guest-side
-ngram-drafter, mtp-speculative-decoding (the model's attached MTP head, set up by `make model`) and
+ngram-proposer, mtp-speculative-decoding (the model's attached MTP head, set up by `make model`) and
 the hybrid (cacheback --drafter) give plain decoding's tokens; seeded sampling repeats; the host's
 stats add up; the device loop needs a fixed handful of guest calls, not some per token."""
 
@@ -30,8 +30,8 @@ def cacheback_wasm():
 
 
 @pytest.fixture(scope="module")
-def ngram_drafter_wasm():
-    return build_inferlet("ngram-drafter")
+def ngram_proposer_wasm():
+    return build_inferlet("ngram-proposer")
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +48,12 @@ def drafter(runtime):
 
 
 @pytest.fixture(scope="module")
-def greedy_runs(runtime, text_completion_wasm, cacheback_wasm, ngram_drafter_wasm, mtp_wasm, drafter):
+def greedy_runs(runtime, text_completion_wasm, cacheback_wasm, ngram_proposer_wasm, mtp_wasm, drafter):
     """{name: [result per prompt]}: every dev prompt through text-completion (the reference: it
     equals HF greedy, see test_text_completion), cacheback, mtp and the hybrid; the first few through
-    ngram-drafter. Concurrent waves, so the engine batches them."""
+    ngram-proposer. Concurrent waves, so the engine batches them."""
     prompts = [p["prompt"] for p in dev_prompts()]
-    wasm = {"text-completion": text_completion_wasm, "cacheback": cacheback_wasm, "ngram-drafter": ngram_drafter_wasm,
+    wasm = {"text-completion": text_completion_wasm, "cacheback": cacheback_wasm, "ngram-proposer": ngram_proposer_wasm,
             "mtp": mtp_wasm, "hybrid": cacheback_wasm}
     extra = {"hybrid": ("--drafter", drafter)}
     runs = {name: [] for name in wasm}
@@ -65,7 +65,7 @@ def greedy_runs(runtime, text_completion_wasm, cacheback_wasm, ngram_drafter_was
             handles = {name: [runtime.start(wasm[name], _args(p, N, *extra.get(name, ()))) for p in wave]
                        for name in names}
             if names[0] == "text-completion":
-                handles["ngram-drafter"] = [runtime.start(wasm["ngram-drafter"], _args(p))
+                handles["ngram-proposer"] = [runtime.start(wasm["ngram-proposer"], _args(p))
                                             for p in wave[:max(0, DRAFTER_PROMPTS - start)]]
             for name, hs in handles.items():
                 runs[name] += [h.result(timeout=900) for h in hs]
@@ -106,8 +106,8 @@ def test_mtp_and_hybrid_greedy_equal_plain_decoding_on_every_dev_prompt(greedy_r
     assert sum(r.stats["passes"] for r in got) < sum(r.stats["passes"] for r in refs)
 
 
-def test_ngram_drafter_greedy_equals_plain_decoding(greedy_runs):
-    refs, got = greedy_runs["text-completion"], greedy_runs["ngram-drafter"]
+def test_ngram_proposer_greedy_equals_plain_decoding(greedy_runs):
+    refs, got = greedy_runs["text-completion"], greedy_runs["ngram-proposer"]
     assert len(got) == DRAFTER_PROMPTS
     for i, (r, ref) in enumerate(zip(got, refs)):
         assert r.ok, r.error
@@ -116,10 +116,10 @@ def test_ngram_drafter_greedy_equals_plain_decoding(greedy_runs):
         assert r.stats["drafted_tokens"] > 0
 
 
-def test_draft_len_zero_is_plain_decoding(runtime, text_completion_wasm, cacheback_wasm, ngram_drafter_wasm):
+def test_draft_len_zero_is_plain_decoding(runtime, text_completion_wasm, cacheback_wasm, ngram_proposer_wasm):
     prompt = dev_prompts()[1]["prompt"]
     plain = runtime.start(text_completion_wasm, _args(prompt, 24))
-    hs = [runtime.start(w, _args(prompt, 24, "--draft-len", "0")) for w in (cacheback_wasm, ngram_drafter_wasm)]
+    hs = [runtime.start(w, _args(prompt, 24, "--draft-len", "0")) for w in (cacheback_wasm, ngram_proposer_wasm)]
     want = plain.result(timeout=600).token_ids
     for h in hs:
         r = h.result(timeout=600)
@@ -128,11 +128,11 @@ def test_draft_len_zero_is_plain_decoding(runtime, text_completion_wasm, cacheba
         assert r.stats["drafted_tokens"] == 0 and r.stats["passes"] == len(want) + 1  # prefill + one per token
 
 
-def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_drafter_wasm, mtp_wasm, drafter):
+def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_proposer_wasm, mtp_wasm, drafter):
     prompt = dev_prompts()[0]["prompt"]
     other = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "99")
     hybrid = ("--drafter", drafter)
-    jobs = [(w, h + a) for w, h in ((cacheback_wasm, ()), (ngram_drafter_wasm, ()), (mtp_wasm, ()), (cacheback_wasm, hybrid))
+    jobs = [(w, h + a) for w, h in ((cacheback_wasm, ()), (ngram_proposer_wasm, ()), (mtp_wasm, ()), (cacheback_wasm, hybrid))
             for a in (SAMPLED, SAMPLED, other)]
     hs = [runtime.start(w, _args(prompt, 24, *a)) for w, a in jobs]
     res = [h.result(timeout=600) for h in hs]

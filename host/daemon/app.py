@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 
 from . import inferlet_routes, openai_routes
 from .errors import APIError, BadRequest, NotFound
-from .middleware import ApiKeys, RequestLog
+from .middleware import ApiKeys, BodyLimit, RequestLog
 from .service import Service
 
 log = logging.getLogger("pie.serve")
@@ -71,7 +71,10 @@ def create_app(service: Service) -> FastAPI:
         log.exception("internal error serving %s", request.url.path)
         return _error(APIError(f"internal error: {type(exc).__name__}"))
 
-    # added last = outermost: a refused key is logged and counted too
+    # added last = outermost: a refused key is logged and counted too, and refused before its body is read
+    lim = service.config.limits
+    app.add_middleware(BodyLimit, limit=lim.body_bytes, header_limit=lim.header_bytes, timeout=lim.body_timeout_s,
+                       exempt={("POST", "/v1/inferlets")})
     app.add_middleware(ApiKeys, keys=service.config.api_keys)
     app.add_middleware(RequestLog, metrics=service.metrics)
     return app

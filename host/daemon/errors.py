@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+
 class APIError(Exception):
     """Rendered as {"error": {"message", "type", "param", "code"}} with `status`."""
 
@@ -84,14 +85,18 @@ class InstanceFailed(APIError):
     code = "inferlet_failed"
 
 
-def from_instance_error(error: str) -> APIError:
+def from_instance_error(error: str, returned: bool = False) -> APIError:
     """A failed run's `code: message` as the API error a client should see: its own request's
-    faults as 400, a full page pool or a shutdown as 503, anything else as 500."""
-    code = error.partition(":")[0]
+    faults as 400, a full page pool or a shutdown as 503, anything else as 500. An error the
+    inferlet returned itself (RunResult.returned) is 400: the SDK's inferlets return one only for
+    arguments they refuse (UsageError), the client's mistake."""
+    code, _, _ = error.partition(":")
     if code in ("context-overflow", "invalid-argument"):
         return BadRequest(error, code=code)
     if code in ("out-of-pages", "cancelled"):
         return Busy(error, code=code)
+    if returned:
+        return BadRequest(error, code="inferlet_usage")
     return InstanceFailed(error)
 
 
@@ -99,3 +104,15 @@ class TooLarge(APIError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class HeadersTooLarge(APIError):
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_fields_too_large"
+
+
+class RequestTimeout(APIError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"

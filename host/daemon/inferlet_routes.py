@@ -6,8 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import BadRequest, TooLarge
+from starlette.requests import ClientDisconnect
+
+from .errors import BadRequest, ClientGone, TooLarge
 from .runs import capped_limits
+from .schemas import utf8_len
 from .service import Service, owner_of
 
 router = APIRouter(prefix="/v1")
@@ -25,10 +28,13 @@ async def _body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise too_large
+    except ClientDisconnect:  # the client left mid-body: nobody reads an answer (499, not a 500)
+        raise ClientGone("the client went away while sending its body") from None
     return bytes(data)
 
 
@@ -39,13 +45,13 @@ async def upload(request: Request, name: str | None = None):
     wasm = await _body(request, svc.config.max_upload_bytes)
     if not wasm:
         raise BadRequest("the body is empty: send the .wasm component's bytes", param="file")
-    program, new = await svc.programs.upload(wasm, name)
-    return JSONResponse(program.card(), status_code=201 if new else 200)
+    inferlet, new = await svc.inferlets.upload(wasm, name)
+    return JSONResponse(inferlet.card(), status_code=201 if new else 200)
 
 
 @router.get("/inferlets")
 async def list_inferlets(request: Request) -> dict:
-    return {"object": "list", "data": [p.card() for p in _service(request).programs.list()]}
+    return {"object": "list", "data": [p.card() for p in _service(request).inferlets.list()]}
 
 
 class LaunchRequest(BaseModel):
@@ -60,10 +66,15 @@ class LaunchRequest(BaseModel):
 @router.post("/instances")
 async def launch(body: LaunchRequest, request: Request):
     svc = _service(request)
-    program = svc.programs.resolve(body.inferlet)
+    if len(body.args) > svc.config.limits.inferlet_args:
+        raise BadRequest(f"args: {len(body.args)} arguments exceed this server's limit of "
+                         f"{svc.config.limits.inferlet_args}", param="args")
+    for arg in body.args:
+        utf8_len(arg, "args")
+    inferlet = svc.inferlets.resolve(body.inferlet)
     limits = capped_limits(body.limits, svc.runtime.limits)
     owner, arrived = await svc.admit(request)  # waits for a slot as a completion does
-    run = svc.runs.launch(program, body.args, limits, body.detach, owner, arrived)
+    run = svc.runs.launch(inferlet, body.args, limits, body.detach, owner, arrived)
     return JSONResponse(run.card(), status_code=201)
 
 

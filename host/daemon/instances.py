@@ -14,7 +14,7 @@ from ..runtime.runtime import RunHandle, RunResult, Runtime
 from .admission import Admission
 from .errors import Busy, from_instance_error
 from .metrics import Metrics
-from .programs import Program
+from .inferlets import Inferlet
 from .stops import StopCutter
 
 
@@ -98,7 +98,7 @@ class Generation:
     """One instance serving one request. `text()` yields its text as it is generated; leaving
     it before the end (a client gone, a stop string) cancels the instance."""
 
-    def __init__(self, instances: Instances, program: Program, args: list[str], prompt_tokens: int,
+    def __init__(self, instances: Instances, inferlet: Inferlet, args: list[str], prompt_tokens: int,
                  stops: list[str], owner: str | None, arrived: float):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[str | RunResult] = asyncio.Queue()
@@ -109,7 +109,7 @@ class Generation:
         self.stopped = False  # a stop string was reached
         self.result: RunResult | None = None  # set by the waiter thread when the run has returned
         # on_text runs on the instance's or the compute thread: it only hands the text over
-        self.handle = instances.spawn(program.path, args, name=program.run_name, owner=owner, arrived=arrived,
+        self.handle = instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner, arrived=arrived,
                                       on_text=self._post, on_result=self._ended)
 
     def _post(self, item: str | RunResult) -> None:
@@ -131,7 +131,7 @@ class Generation:
                     if self.stopped:
                         return  # cancelled by us: its error is ours
                     if not item.ok:
-                        raise from_instance_error(item.error or "internal: no error given")
+                        raise from_instance_error(item.error or "internal: no error given", item.returned)
                     tail = self._cut.flush()
                     if tail:
                         yield tail

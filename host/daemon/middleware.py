@@ -1,14 +1,15 @@
 """Plain ASGI middleware (no BaseHTTPMiddleware: it would buffer streams and hide disconnects):
-the request log and counts, and the API-key check that runs before a body is read."""
+the request log and counts, the API-key check that runs before a body is read, and the body cap."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 
 from .auth import key_id, matching_key
-from .errors import Unauthorized
+from .errors import APIError, ClientGone, HeadersTooLarge, RequestTimeout, TooLarge, Unauthorized
 from .metrics import Metrics
 
 log = logging.getLogger("pie.serve")
@@ -70,11 +71,72 @@ class ApiKeys:
                 scope.setdefault("state", {})["owner"] = key_id(key)
             else:
                 err = Unauthorized("a valid API key is required: send `Authorization: Bearer KEY`")
-                body = json.dumps(err.body()).encode()
-                await send({"type": "http.response.start", "status": err.status,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()),
-                                        (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                return
+                return await send_error(send, err, [(b"www-authenticate", b"Bearer")])
         await self.app(scope, receive, send)
+
+
+async def send_error(send, err: APIError, headers: list | None = None) -> None:
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """431 for headers past `header_limit` bytes (h11 bounds only headers that arrive in pieces).
+    413 for a body past `limit` bytes, before anything parses it: at once by its Content-Length,
+    else as soon as the bytes read pass it. The body is read here whole and handed on; `exempt`
+    routes (the upload, which streams its body under its own limit) read it themselves. A client
+    that leaves mid-body is logged as 499, not an error of the app."""
+
+    def __init__(self, app, limit: int, header_limit: int, timeout: float, exempt: set[tuple[str, str]]):
+        self.app, self.limit, self.header_limit, self.timeout, self.exempt = app, limit, header_limit, timeout, exempt
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        head = sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + len(scope.get("raw_path") or b"")
+        if head > self.header_limit:
+            return await send_error(send, HeadersTooLarge(f"the request's headers are larger than this server's "
+                                                          f"limit of {self.header_limit >> 10} KiB (pie serve "
+                                                          "--max-header-kb)"), [(b"connection", b"close")])
+        if (scope["method"], scope["path"]) in self.exempt:
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await send_error(send, TooLarge(f"the request body is larger than this server's limit of "
+                                                   f"{self.limit >> 20} MiB (pie serve --max-body-mb)"),
+                                    [(b"connection", b"close")])
+        try:
+            async with asyncio.timeout(self.timeout):  # a body dribbled byte by byte holds a task
+                body = await self._read(receive)
+        except TimeoutError:
+            body = RequestTimeout(f"the request body did not arrive within {self.timeout:g} s (pie serve "
+                                  "--timeout-body)")
+        if isinstance(body, APIError):
+            return await send_error(send, body, [(b"connection", b"close")])
+        whole: dict | None = {"type": "http.request", "body": body, "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # after the body: the disconnect, when it comes
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive) -> bytes | APIError:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return ClientGone("the client went away while sending its body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return TooLarge(f"the request body is larger than this server's limit of {self.limit >> 20} MiB "
+                                "(pie serve --max-body-mb)")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .errors import APIError
+from .errors import APIError, ClientGone
 from .instances import Generation
 from .schemas import ChatRequest, CompletionRequest
-from .service import Service
+from .service import Service, client_gone
 from .shapes import ChatShape, CompletionShape, sse
 
 router = APIRouter(prefix="/v1")
@@ -32,23 +33,40 @@ async def models(request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     svc = _service(request)
     gen = await svc.generate(request, body, body.prompt_text(), body.max_tokens)
-    return await _respond(gen, CompletionShape(svc.model, body.include_usage()), body.stream)
+    return await _respond(request, gen, CompletionShape(svc.model, body.include_usage()), body.stream)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     svc = _service(request)
-    gen = await svc.generate(request, body, svc.render_chat(body.messages), body.token_limit())
-    return await _respond(gen, ChatShape(svc.model, body.include_usage()), body.stream)
+    gen = await svc.generate(request, body, await svc.render_chat(body.messages), body.token_limit())
+    return await _respond(request, gen, ChatShape(svc.model, body.include_usage()), body.stream)
 
 
-async def _respond(gen: Generation, shape: CompletionShape | ChatShape, stream: bool):
+async def _respond(request: Request, gen: Generation, shape: CompletionShape | ChatShape, stream: bool):
     # the instance has started (or the request was refused) before any byte of the response
     if stream:
         return StreamingResponse(_events(gen, shape), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    text = await gen.all_text()
+    text = await _unless_gone(request, gen.all_text())
     return JSONResponse(shape.response(text, gen.finish_reason, gen.usage()))
+
+
+async def _unless_gone(request: Request, work):
+    """`work`'s result; if the client goes away first, `work` is cancelled (leaving gen.text()
+    cancels the instance and frees its slot) and the request ends as 499."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)  # its cancel has run
+        raise ClientGone("the client went away before its completion was ready")
+    return task.result()
 
 
 async def _events(gen: Generation, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:

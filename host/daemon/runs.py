@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import math
 import secrets
 import threading
 import time
@@ -17,7 +18,7 @@ from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult
 from .errors import BadRequest, NotFound, from_instance_error
 from .instances import Instances
-from .programs import Program
+from .inferlets import Inferlet
 
 KEEP_ENDED = 64  # ended runs kept for a late attach or a look at their result
 
@@ -33,7 +34,9 @@ def capped_limits(asked: dict[str, float], server: Limits) -> Limits:
         if f is None:
             raise BadRequest(f"limits.{key}: unknown; known: {', '.join(LIMIT_KEYS)}", param=f"limits.{key}")
         m = f.metadata
-        kw[f.name] = min(m["kind"](value * m["unit"]), getattr(server, f.name))
+        if not math.isfinite(value) or value <= 0:  # int(inf) and int(nan) raise: refused here
+            raise BadRequest(f"limits.{key}: must be a positive finite number, not {value}", param=f"limits.{key}")
+        kw[f.name] = m["kind"](min(value * m["unit"], getattr(server, f.name)))
     try:
         return Limits(**{f.name: getattr(server, f.name) for f in fields(Limits)} | kw)
     except PieError as e:
@@ -48,10 +51,10 @@ class Run:
     """One launched instance. Its events are `text` as it streams, then at the end `tokens`,
     `stats`, `return` (the RunResult as `pie run --json` prints it) and, if it failed, `error`."""
 
-    def __init__(self, runs: "Runs", program: Program, args: list[str], limits: Limits, detach: bool,
+    def __init__(self, runs: "Runs", inferlet: Inferlet, args: list[str], limits: Limits, detach: bool,
                  owner: str | None, arrived: float):
         self.id = f"inst_{secrets.token_hex(12)}"
-        self.program, self.args, self.limits, self.detach = program, args, limits, detach
+        self.inferlet, self.args, self.limits, self.detach = inferlet, args, limits, detach
         self.owner = owner  # the key that launched it: only that key sees, attaches to or cancels it
         self.created = int(time.time())
         self.result: RunResult | None = None
@@ -59,7 +62,7 @@ class Run:
         self._events: list[str] = []
         self._grew = asyncio.Event()  # replaced on each append: a waiter holds the one it saw
         self._runs = runs
-        self.handle: RunHandle = runs.instances.spawn(program.path, args, name=program.run_name, owner=owner,
+        self.handle: RunHandle = runs.instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner,
                                                       arrived=arrived, on_text=self._on_text,
                                                       on_result=self._on_result, limits=limits)
 
@@ -87,7 +90,7 @@ class Run:
         self._append(sse_event("stats", result.stats))
         self._append(sse_event("return", result.to_json()))
         if not result.ok:
-            err = from_instance_error(result.error or "internal: no error given")
+            err = from_instance_error(result.error or "internal: no error given", result.returned)
             self._append(sse_event("error", err.body() | {"log": result.log}))
         self.result = result  # last: an attach that sees it has every event
         self._runs._ended(self)
@@ -104,7 +107,7 @@ class Run:
         limits = {k: f.metadata["kind"](getattr(self.limits, f.name) / f.metadata["unit"])
                   for k, f in LIMIT_KEYS.items()}  # in the units a launch asks in
         out = {"id": self.id, "object": "inferlet.instance", "created": self.created, "status": self.status,
-               "inferlet": self.program.run_name, "hash": self.program.hash, "args": self.args,
+               "inferlet": self.inferlet.run_name, "hash": self.inferlet.hash, "args": self.args,
                "detach": self.detach, "limits": limits}
         if self.result is not None and not self.result.ok:
             out["error"] = self.result.error
@@ -142,10 +145,10 @@ class Runs:
         self._ended_ids: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
 
-    def launch(self, program: Program, args: list[str], limits: Limits, detach: bool, owner: str | None,
+    def launch(self, inferlet: Inferlet, args: list[str], limits: Limits, detach: bool, owner: str | None,
                arrived: float) -> Run:
         """Start the run in the slot `owner` holds (Admission.acquire)."""
-        run = Run(self, program, args, limits, detach, owner, arrived)
+        run = Run(self, inferlet, args, limits, detach, owner, arrived)
         with self._lock:
             self._runs[run.id] = run
         return run

@@ -19,6 +19,15 @@ from .errors import BadRequest
 SET_BY_REQUEST = frozenset({"--prompt", "--chat", "--max-tokens", "--temperature", "--top-p", "--seed"})
 
 
+def utf8_len(text: str, param: str) -> int:
+    """Its UTF-8 length; a lone surrogate (JSON's "\\ud800") is no text an inferlet or the tokenizer
+    can take: 400."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{param}: not valid Unicode text ({e.reason} at character {e.start})", param=param) from None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -43,19 +52,28 @@ class SamplingRequest(BaseModel):
     inferlet: str | None = Field(None, min_length=1)
     inferlet_args: list[str] = []
 
-    def extra_args(self) -> list[str]:
+    def extra_args(self, max_count: int) -> list[str]:
         """inferlet_args, refused where they would override what the request's own fields set."""
+        if len(self.inferlet_args) > max_count:
+            raise BadRequest(f"inferlet_args: {len(self.inferlet_args)} arguments exceed this server's limit of "
+                             f"{max_count}", param="inferlet_args")
         for arg in self.inferlet_args:
+            utf8_len(arg, "inferlet_args")
             flag = arg.partition("=")[0]
             if flag in SET_BY_REQUEST:
                 raise BadRequest(f"inferlet_args: {flag} is set from the request's fields "
                                  f"({', '.join(sorted(SET_BY_REQUEST))} are not allowed here)", param="inferlet_args")
         return list(self.inferlet_args)
 
-    def stops(self) -> list[str]:
+    def stops(self, max_count: int, max_chars: int) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4:  # OpenAI's limit
-            raise BadRequest("stop takes at most 4 sequences", param="stop")
+        if len(stops) > max_count:
+            raise BadRequest(f"stop takes at most {max_count} sequences", param="stop")
+        for s in stops:  # each is searched for in the text as it streams: bounded
+            if len(s) > max_chars:
+                raise BadRequest(f"a stop string of {len(s)} characters exceeds this server's limit of {max_chars}",
+                                 param="stop")
+            utf8_len(s, "stop")
         return [s for s in stops if s]
 
     def check_supported(self) -> None:

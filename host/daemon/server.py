@@ -8,11 +8,56 @@ import signal
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
 from .service import Service
 
 log = logging.getLogger("pie.serve")
+
+
+def _h11_with_header_timeout(timeout: float) -> type:
+    """uvicorn's h11 protocol with what uvicorn lacks: a deadline for a request's headers. A
+    connection that sends none, or dribbles them (slowloris), is closed `timeout` s after it
+    connected or after its last response ended; the keep-alive timer stops at the first byte."""
+
+    class Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers have all arrived
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():
+                self._arm()  # before a pipelined request's headers are handled in there
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol
 
 
 class _Uvicorn(uvicorn.Server):
@@ -36,8 +81,12 @@ class _Uvicorn(uvicorn.Server):
 class Daemon:
     def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info"):
         self.service = service
+        lim = service.config.limits
         config = uvicorn.Config(create_app(service), host=host, port=port, access_log=False, log_level=log_level,
-                                timeout_graceful_shutdown=10, lifespan="off")
+                                timeout_graceful_shutdown=10, lifespan="off",
+                                http=_h11_with_header_timeout(lim.header_timeout_s),
+                                timeout_keep_alive=lim.keep_alive_s, limit_concurrency=lim.connections,
+                                h11_max_incomplete_event_size=lim.header_bytes)
         self.server = _Uvicorn(config, service)
 
     @property

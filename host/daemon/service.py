@@ -13,17 +13,17 @@ from pathlib import Path
 from fastapi import Request
 
 from ..grammar import GrammarError
-from ..runtime.cli import BUILD
+from ..paths import BUILD, pie_home
 from ..runtime.grammars import grammars_for
 from ..runtime.runtime import Runtime
-from ..store import pie_home
 from .admission import Admission
 from .errors import BadRequest, NotFound, UnknownModel
 from .instances import Generation, Instances
+from .limits import ServeLimits
 from .metrics import Metrics
-from .programs import Program, Programs
+from .inferlets import Inferlet, Inferlets
 from .runs import Runs
-from .schemas import ChatMessage, SamplingRequest
+from .schemas import ChatMessage, SamplingRequest, utf8_len
 
 CONSTRAINED = "constrained-speculative-decoding"  # serves a response_format
 
@@ -37,7 +37,8 @@ class ServeConfig:
     api_keys: list[str] | None = None  # None: no authentication
     builtin_dir: Path = BUILD  # the built inferlets the inferlet API lists and launches by name
     upload_dir: Path | None = None  # None: $PIE_HOME/inferlets
-    max_upload_bytes: int = 64 << 20
+    max_upload_bytes: int = ServeLimits.upload_bytes
+    limits: ServeLimits = ServeLimits()  # what one request may cost before an instance runs
 
 
 class Service:
@@ -50,45 +51,53 @@ class Service:
         self.admission = Admission(config.max_instances, config.max_queue, config.max_instances_per_key)
         self.metrics.watch(lambda: self.admission.running, lambda: self.admission.waiting)
         self.instances = Instances(runtime, self.admission, self.metrics)
-        self.programs = Programs(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",
+        self.inferlets = Inferlets(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",
                                  config.max_upload_bytes)
         self.runs = Runs(self.instances)
         wasm = config.inferlet.read_bytes()
-        self.default_program = Program(config.inferlet.stem, hashlib.sha256(wasm).hexdigest(), len(wasm), True,
-                                       config.inferlet)
+        self.default_inferlet = Inferlet(config.inferlet.stem, hashlib.sha256(wasm).hexdigest(), len(wasm), True,
+                                         config.inferlet)
+        # a prompt longer than this many UTF-8 bytes cannot fit the context: refused before tokenizing
+        self.max_prompt_bytes = self.engine.info.context_len * _longest_token_bytes(
+            self.engine.tokenizer, config.limits.prompt_bytes_per_token)
 
     async def admit(self, request: Request) -> tuple[str | None, float]:
         """A slot for the request's key (waiting in the queue if need be; leaving it if the
         client goes away): (its owner, when it arrived)."""
         arrived = time.perf_counter()
         owner = owner_of(request)
-        await self.admission.acquire(owner, lambda: _client_gone(request))
+        await self.admission.acquire(owner, lambda: client_gone(request))
         return owner, arrived
 
-    def completion_program(self, name: str | None) -> Program:
+    def completion_inferlet(self, name: str | None) -> Inferlet:
         """The inferlet a completion names (a built-in's or an upload's name, or a sha256), else the default."""
         if name is None:
-            return self.default_program
+            return self.default_inferlet
         try:
-            return self.programs.resolve(name)
+            return self.inferlets.resolve(name)
         except NotFound as e:  # a bad field of the request, as OpenAI reports one
             raise BadRequest(e.message, param="inferlet", code="inferlet_not_found") from None
 
-    def constrained_program(self, name: str | None, schema: str) -> Program:
+    async def constrained_inferlet(self, name: str | None, schema: str) -> Inferlet:
         """The inferlet that serves a response_format: constrained-speculative-decoding (or the one
-        the request names). The schema is compiled here, so a bad one is a 400 before any work."""
+        the request names). The schema is compiled here (off the event loop: it may take a while),
+        so a bad one is a 400 before any work."""
+        limit = self.config.limits.schema_bytes
+        if len(schema) > limit:  # json.dumps' ASCII: characters are bytes
+            raise BadRequest(f"response_format: the schema's {len(schema)} bytes of JSON exceed this server's "
+                             f"limit of {limit}", param="response_format")
         try:
-            grammars_for(self.engine).compile("json-schema", schema)
+            await asyncio.to_thread(grammars_for(self.engine).compile, "json-schema", schema)
         except GrammarError as e:
             raise BadRequest(f"response_format: {e}", param="response_format") from None
-        return self.completion_program(name or CONSTRAINED)
+        return self.completion_inferlet(name or CONSTRAINED)
 
     def check_model(self, name: str) -> None:
         if name != self.model:
             raise UnknownModel(f"the model {name!r} does not exist; this server serves {self.model!r}",
                                param="model")
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
+    async def render_chat(self, messages: list[ChatMessage]) -> str:
         """All messages in the model's chat template, with the assistant's turn opened. For one
         user message this is the text `--chat` renders inside the inferlet (the same bindings
         call), so the tokens match `pie run text-completion --chat`; for a conversation it keeps
@@ -96,27 +105,40 @@ class Service:
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise BadRequest(f"model {self.model} has no chat template; use /v1/completions", param="messages")
+        if len(messages) > self.config.limits.messages:
+            raise BadRequest(f"{len(messages)} messages exceed this server's limit of {self.config.limits.messages}",
+                             param="messages")
         # "developer" is OpenAI's newer name for the system role; templates know "system"
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-        try:
-            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        self.check_prompt_bytes(sum(utf8_len(m["content"], "messages") for m in msgs), "messages")
+        try:  # jinja is slow on long conversations: off the event loop
+            return await asyncio.to_thread(tok.apply_chat_template, msgs, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja raises its own exceptions for conversations a template rejects
             raise BadRequest(f"the chat template rejected the messages: {e}", param="messages") from None
+
+    def check_prompt_bytes(self, n: int, param: str) -> None:
+        if n > self.max_prompt_bytes:
+            raise BadRequest(f"the prompt's {n} bytes cannot fit the model's context of {self.engine.info.context_len} "
+                             "tokens", param=param, code="context_length_exceeded")
 
     async def generate(self, request: Request, req: SamplingRequest, prompt: str, max_tokens: int | None) -> Generation:
         """Start the request's inferlet on `prompt` (already templated: passed without --chat),
         once admission gives it a slot."""
         self.check_model(req.model)
         req.check_supported()
-        stops = req.stops()
+        limits = self.config.limits
+        stops = req.stops(limits.stops, limits.stop_chars)
+        extra = req.extra_args(limits.inferlet_args)
+        self.check_prompt_bytes(utf8_len(prompt, "prompt"), "prompt")
         schema = req.json_schema_text()
         if schema is None:
-            program = self.completion_program(req.inferlet)
+            inferlet = self.completion_inferlet(req.inferlet)
         else:
-            program = self.constrained_program(req.inferlet, schema)
-        extra = req.extra_args() + ([] if schema is None else ["--json-schema", schema])
-        # the same encoding as the inferlet's (the bindings' encode): the prompt's token count
-        n_prompt = len(self.engine.tokenizer.encode(prompt, add_special_tokens=False))
+            inferlet = await self.constrained_inferlet(req.inferlet, schema)
+        extra += [] if schema is None else ["--json-schema", schema]
+        # the same encoding as the inferlet's (the bindings' encode): the prompt's token count; a
+        # long prompt takes seconds, so off the event loop
+        n_prompt = len(await asyncio.to_thread(self.engine.tokenizer.encode, prompt, add_special_tokens=False))
         if n_prompt == 0:
             raise BadRequest("the prompt is empty", param="prompt")
         room = self.engine.info.context_len - n_prompt
@@ -132,9 +154,19 @@ class Service:
         args = ["--prompt", prompt, "--max-tokens", str(max_tokens), "--temperature", repr(temperature),
                 "--top-p", repr(top_p), "--seed", str(seed), *extra]
         owner, arrived = await self.admit(request)
-        gen = Generation(self.instances, program, args, n_prompt, stops, owner, arrived)  # a failed start frees its slot
-        self.metrics.started(program.run_name, n_prompt)
+        gen = Generation(self.instances, inferlet, args, n_prompt, stops, owner, arrived)  # a failed start frees its slot
+        self.metrics.started(inferlet.run_name, n_prompt)
         return gen
+
+
+def _longest_token_bytes(tokenizer, default: int) -> int:
+    """An upper bound on the UTF-8 bytes one token covers: the longest vocabulary entry (byte-level
+    and SentencePiece entries are at least as long in UTF-8 as the text they stand for)."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(len(k.encode("utf-8", "surrogatepass")) for k in vocab) if vocab else default
+    except Exception:  # no vocabulary to read (a test tokenizer): the declared bound
+        return default
 
 
 def owner_of(request: Request) -> str | None:
@@ -142,7 +174,7 @@ def owner_of(request: Request) -> str | None:
     return request.scope.get("state", {}).get("owner")
 
 
-async def _client_gone(request: Request) -> None:
+async def client_gone(request: Request) -> None:
     """Returns once the client has closed its connection (the body has been read by then)."""
     while (await request.receive())["type"] != "http.disconnect":
         await asyncio.sleep(0.05)  # a server that answers at once with empty bodies: do not spin

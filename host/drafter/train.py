@@ -92,7 +92,7 @@ class TrainConfig:
     command: str = ""  # the command line, for the recipe
 
     def resolved(self) -> "TrainConfig":
-        from ..store import drafters_dir
+        from ..paths import drafters_dir
 
         c = copy.copy(self)
         c.out = Path(c.out) if c.out else drafters_dir() / c.name

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..epilogue.kernels import argmax, exp_race
+from ..epilogue.tensors import argmax, exp_race
 from ..errors import InvalidArgument
 from . import attention
 from .linear import PackedLinears

@@ -1,8 +1,8 @@
 """The engine: a transformers model over a paged KV pool, running ragged batches of passes.
 
 A step is three calls, in the manner of nano-vllm: `prepare` (bookkeeping, no device work
-beyond page copies), `run` (one model call for every pass), `commit` (advance each working
-set's frozen length by its fold). `forward` does all three for passes whose fold is known.
+beyond page copies), `run` (one model call for every pass), `apply_fold` (advance each
+working set's frozen length by its fold). `forward` does all three for passes whose fold is known.
 """
 
 from __future__ import annotations
@@ -75,6 +75,19 @@ class Pass:
         self.window = len(self.tokens)
 
 
+def check_shape(window: int, readout: list[int] | None, fold: int | Fold) -> None:
+    """The rules of a pass's shape, for a pass (Engine.check_pass) and a device loop's window
+    (DeviceLoop): at least one row, readout rows inside the window (None: every row), and a
+    constant fold of at most the window."""
+    if window < 1:
+        raise InvalidArgument("a pass needs a window of at least one row")
+    bad_rows = [r for r in readout or () if not 0 <= r < window]
+    if bad_rows:
+        raise InvalidArgument(f"readout row {bad_rows[0]} is outside the window of {window} rows")
+    if not isinstance(fold, Fold) and not 0 <= fold <= window:
+        raise InvalidArgument(f"fold {fold} is outside 0..{window} (the window length)")
+
+
 @dataclass
 class PassOutput:
     logits: torch.Tensor | None  # [len(readout), vocab] float32; None for a pass with logits=False
@@ -98,7 +111,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
     In bf16 a matrix product's rounding depends on how many rows it has, so a pass that verifies
     k drafted rows at once can flip a near-tie that one-row decoding resolves the other way: on
-    a bf16-native CPU, greedy cacheback, ngram-drafter and HF's own prompt lookup each differed
+    a bf16-native CPU, greedy cacheback, ngram-proposer and HF's own prompt lookup each differed
     from greedy decoding, and the same runs in float32 were identical and faster for the default
     model (text-completion 25.2 against 21.8 tok/s, `python -m bench.spec --ids 81,111,242
     --dtype float32` against `--dtype bfloat16`)."""
@@ -181,13 +194,17 @@ class Engine:
     def _keep_prenorm(self, module, args) -> None:
         self._prenorm = args[0]
 
-    def bind_drafters(self, names, ws: WorkingSet) -> dict:
-        """Env.drafters for a working set's passes: each named head bound to it."""
+    def check_drafters(self, names) -> None:
+        """Raise unless the model has a draft head of each name (an epilogue's drafter ops)."""
         missing = [n for n in names if n not in self.heads]
         if missing:
-            have = ", ".join(self.heads) or "none are attached"
-            raise InvalidArgument(f"the program uses drafter {missing[0]!r}, which model {self.info.name!r} does "
-                                  f"not have ({have}; attach one with `pie model import ... --drafter`)")
+            have = ", ".join(self.heads) or "none is attached"
+            raise InvalidArgument(f"the epilogue uses drafter {missing[0]!r}, which the model does not have ({have}; "
+                                  "attach one with `pie model import MODEL --drafter NAME`)")
+
+    def bind_drafters(self, names, ws: WorkingSet) -> dict:
+        """Env.drafters for a working set's passes: each named head bound to it."""
+        self.check_drafters(names)
         return {n: self.heads[n].bind(ws) for n in names}
 
     # ---- working sets -------------------------------------------------------------
@@ -210,10 +227,11 @@ class Engine:
             ws.check_alive()
             ws.truncate(n)
 
-    def freeze_scratch(self, ws: WorkingSet, n: int) -> None:
+    def commit(self, ws: WorkingSet, n: int) -> None:
+        """Freeze n scratch rows of the last pass (WorkingSet.commit)."""
         with self.lock:
             ws.check_alive()
-            ws.freeze_scratch(n)
+            ws.commit(n)
 
     @on_compute_thread  # it copies KV rows: torch work
     def evict(self, ws: WorkingSet, start: int, end: int) -> None:
@@ -245,19 +263,13 @@ class Engine:
         """Raise a PieError if the pass cannot run; changes nothing."""
         ps.ws.check_alive()
         w = ps.window
-        if w < 1:
-            raise InvalidArgument("a pass needs a window of at least one row")
         if ps.ws.frozen + w > self.info.context_len:
             raise ContextOverflow(
                 f"window of {w} rows at frozen length {ps.ws.frozen} exceeds the model's context of "
                 f"{self.info.context_len} rows; truncate or evict rows first")
         if isinstance(ps.tokens, list):
             self.check_ids(ps.tokens)
-        bad_rows = [r for r in ps.readout if not 0 <= r < w]
-        if bad_rows:
-            raise InvalidArgument(f"readout row {bad_rows[0]} is outside the window of {w} rows")
-        if ps.fold is not Fold.ALL and not 0 <= ps.fold <= w:
-            raise InvalidArgument(f"fold {ps.fold} is outside 0..{w} (the window length)")
+        check_shape(w, ps.readout, ps.fold)
 
     # ---- the step -------------------------------------------------------------------
     @on_compute_thread
@@ -271,7 +283,7 @@ class Engine:
                 return results  # type: ignore[return-value]
             outs = self.run(batch)
             for i, first, out in zip(ok, batch.first_positions, outs):
-                self.commit_known(passes[i], first)
+                self.apply_known_fold(passes[i], first)
                 results[i] = out
         return results  # type: ignore[return-value]
 
@@ -391,13 +403,13 @@ class Engine:
             at += n
         return out
 
-    def commit(self, ps: Pass, first_position: int, fold: int, tokens: list[int]) -> None:
-        ps.ws.commit(tokens, fold, first_position)
+    def apply_fold(self, ps: Pass, first_position: int, fold: int, tokens: list[int]) -> None:
+        ps.ws.apply_fold(tokens, fold, first_position)
 
-    def commit_known(self, ps: Pass, first_position: int) -> None:
-        """Commit a pass whose fold was given up front."""
+    def apply_known_fold(self, ps: Pass, first_position: int) -> None:
+        """Apply the fold of a pass whose fold was given up front."""
         fold = ps.window if ps.fold is Fold.ALL else ps.fold
-        self.commit(ps, first_position, fold, self._host_tokens(ps.tokens))
+        self.apply_fold(ps, first_position, fold, self._host_tokens(ps.tokens))
 
 
 class _Staging:

@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from ..epilogue import DeviceChannel, DraftBinding, Env, GrammarMatcher, Program, Result, host_readable
+from ..epilogue import DeviceChannel, DraftBinding, Env, GrammarMatcher, CompiledProgram, Result, host_readable
 from ..errors import InvalidArgument, detached, unexpected
-from .engine import Fold, Pass, PassOutput
+from .engine import Fold, Pass, PassOutput, check_shape
 from .working_set import WorkingSet
 
 
@@ -67,7 +67,7 @@ class RoundReadback:
     fold: int  # rows of the window that become committed state
     stop: bool  # the epilogue raised its stop flag
     lengths: dict[str, int]  # every channel's length after the round
-    tokens: list[int]  # the window's ids (the commit records the folded ones)
+    tokens: list[int]  # the window's ids (the fold records the folded ones)
     streamed: dict[str, list[int]]  # a channel with a sink: the cells the round appended
 
 
@@ -77,7 +77,7 @@ class DeviceLoop:
     whose docstring also gives the lock order."""
 
     ws: WorkingSet
-    program: Program | None  # None: the fold is a constant, the whole window, or a channel's
+    program: CompiledProgram | None  # None: the fold is a constant, the whole window, or a channel's
     channels: dict[str, DeviceChannel]  # name in the program -> channel
     embed: DeviceChannel  # the channel whose cells are each round's window
     max_window: int
@@ -89,7 +89,7 @@ class DeviceLoop:
     hidden: bool = False
     matchers: dict[str, GrammarMatcher] = field(default_factory=dict)  # name in the program -> matcher
     drafters: dict[str, DraftBinding] = field(default_factory=dict)  # name in the program -> head bound to ws
-    spare: int = field(init=False)  # rows past the window each pass prepares (Program.spare: a draft head's chain)
+    spare: int = field(init=False)  # rows past the window each pass prepares (CompiledProgram.spare: a draft head's chain)
     logits: bool = field(init=False)  # False: the program reads no logits, and the pass computes none
     round: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
@@ -102,9 +102,14 @@ class DeviceLoop:
     def __post_init__(self):
         self.spare = self.program.spare if self.program is not None else 0
         self.logits = self.program is None or self.program.reads_logits
+        # the pass's rules, checked before the first round (each round's pass is checked again
+        # by the engine with the window the round reads)
+        check_shape(self.max_window, self.readout, self.fold)
         if (self.fold is Fold.CHANNEL) != (self.fold_channel is not None):
             raise InvalidArgument("a fold from a channel needs the channel, and only it does")
-        if self.fold is Fold.EPILOGUE and (self.program is None or not self.program.has_fold):
+        if self.fold is Fold.EPILOGUE and self.program is None:
+            raise InvalidArgument("fold from-epilogue needs the pass to name an epilogue")
+        if self.fold is Fold.EPILOGUE and not self.program.has_fold:
             raise InvalidArgument("fold from-epilogue, but the epilogue has no fold effect")
 
     def drafts(self, window: int) -> int:
@@ -122,7 +127,7 @@ class DeviceLoop:
         rows = list(range(n)) if self.readout is None else [r for r in self.readout if r < n]
         # A copy: the epilogue overwrites the channel with the next window before readback.
         # In host memory the copy is a list (the engine validates and indexes it without a
-        # torch op, and the commit needs it as one); on a device it stays there.
+        # torch op, and applying the fold needs it as one); on a device it stays there.
         host = self.embed.host
         tokens = self.embed.buf[:n].clone() if host is None else host[:n].tolist()
         return Pass(self.ws, tokens, rows, fold=0, hidden=self.hidden, logits=self.logits, spare=self.spare)

@@ -134,7 +134,7 @@ class Scheduler:
             for i, (ps, fut) in enumerate(work):
                 if i in by_index:
                     first, out = by_index[i]
-                    eng.commit_known(ps, first)
+                    eng.apply_known_fold(ps, first)
                     if ps.choose is not None:  # here, where the logits are: no second hop for it
                         try:
                             out.tokens = ps.choose(out.logits, first)
@@ -196,7 +196,7 @@ class Scheduler:
         fold = int(fold)
         if not isinstance(ps.tokens, list):  # device ids, clamped for the pass (Engine._build)
             eng.check_ids(back.tokens)  # nothing of the round is committed
-        eng.commit(ps, first, fold, back.tokens)
+        eng.apply_fold(ps, first, fold, back.tokens)
         for name, n in back.lengths.items():
             ch = lp.channels[name]
             if name in back.streamed:

@@ -80,13 +80,15 @@ class WorkingSet:
         self.pages.extend(new)
         return copies
 
-    def commit(self, window_tokens: list[int], fold: int, first_position: int) -> None:
+    def apply_fold(self, window_tokens: list[int], fold: int, first_position: int) -> None:
+        """Freeze the first `fold` rows of the window a pass just wrote; the rest are scratch."""
         self.tokens.extend(window_tokens[:fold])
         self.positions.extend(range(first_position, first_position + fold))
         self.scratch = list(window_tokens[fold:])
 
-    def freeze_scratch(self, n: int) -> None:
-        """Freeze the first n scratch rows the last pass left: a fold decided after the pass."""
+    def commit(self, n: int) -> None:
+        """Freeze the first n scratch rows the last pass left: a fold decided after the pass
+        (the WIT's working-sets.commit)."""
         if not 0 <= n <= len(self.scratch):
             raise InvalidArgument(f"cannot freeze {n} rows: the last pass left {len(self.scratch)} scratch rows")
         first = self.next_position

@@ -1,4 +1,4 @@
-"""compile_program: JSON text -> validated, cached Program that runs on device tensors.
+"""compile_program: JSON text -> validated, cached CompiledProgram that runs on device tensors.
 
 Executing a program never syncs with the host: shapes (host metadata), seeds and
 round indices (host ints) are all the host needs; every data-dependent length
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from host.epilogue import ir, kernels, plan
+from host.epilogue import ir, plan, tensors
 from host.epilogue.env import Env, Result
 from host.epilogue.ir import ProgramError
 from host.epilogue.ops import OPS
@@ -49,7 +49,7 @@ def host_readable(device: torch.device | str) -> bool:
     return (device if isinstance(device, str) else "cpu" if device is _CPU else device.type) in HOST_READABLE
 
 
-class Program:
+class CompiledProgram:
     """A validated epilogue. `run(envs)` executes it for several passes at once."""
 
     def __init__(self, checked: Checked, digest: str, text: str):
@@ -78,7 +78,7 @@ class Program:
         for op in checked.ops:
             self._by_syms.setdefault(self._op_syms(op), []).append(op)
         self._syms = tuple(sorted({x for syms in self._by_syms for x in syms}))
-        self._kernel = [OPS[op.name].kernel for op in checked.ops]  # by op index
+        self._impl = [OPS[op.name].impl for op in checked.ops]  # by op index
 
     # --- binding -------------------------------------------------------------
     def _bind(self, env: Env) -> dict[str, int]:
@@ -218,8 +218,8 @@ class Program:
         key = (op.index, dev, B, tuple(d.resolve(bind) for d in out.shape))
         got = self._consts.get(key)
         if got is None:
-            ctx = kernels.Ctx(B, dev, bind, [0] * B, [0] * B, self.checked.values)
-            got = self._kernel[op.index](ctx, op, [])[0]
+            ctx = tensors.Ctx(B, dev, bind, [0] * B, [0] * B, self.checked.values)
+            got = self._impl[op.index](ctx, op, [])[0]
             if got.untyped_storage().nbytes() <= _CONST_CACHE_BYTES:  # a cached program keeps it
                 if len(self._consts) > _CONSTS_MAX:
                     self._consts.clear()
@@ -235,12 +235,12 @@ class Program:
         return torch.device("cpu")
 
 
-_cache: "OrderedDict[str, Program]" = OrderedDict()
+_cache: "OrderedDict[str, CompiledProgram]" = OrderedDict()
 _lock = threading.Lock()
 
 
-def compile_program(text: str) -> Program:
-    """Validate epilogue JSON text and return its Program (cached by sha256 of canonical JSON).
+def compile_program(text: str) -> CompiledProgram:
+    """Validate epilogue JSON text and return its CompiledProgram (cached by sha256 of canonical JSON).
 
     Raises ProgramError (an InvalidArgument) naming the op index and op name at fault."""
     obj = ir.parse(text)
@@ -253,7 +253,7 @@ def compile_program(text: str) -> Program:
         if prog is not None:
             _cache.move_to_end(digest)
             return prog
-    prog = Program(check(obj), digest, ir.canonical(obj))
+    prog = CompiledProgram(check(obj), digest, ir.canonical(obj))
     with _lock:
         _cache[digest] = prog
         while len(_cache) > _CACHE_SIZE:

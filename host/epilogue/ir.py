@@ -170,8 +170,9 @@ def parse(text: str) -> dict:
     return obj
 
 
-def fields(where: str, entry, required: dict[str, type], optional: dict[str, type] = {}) -> dict:
+def fields(where: str, entry, required: dict[str, type], optional: dict[str, type] | None = None) -> dict:
     """An object entry of the program (an op, input or channel) with exactly these keys and types."""
+    optional = optional or {}
     if not isinstance(entry, dict):
         raise ProgramError(f"{where}: must be a JSON object")
     for k in entry:

@@ -6,7 +6,7 @@ scalar the host knows: the round, channel lengths, constants, sizes, and integer
 them); ARRAY, a numpy array [B, ...] (host memory only: the readouts, numpy's argmax); TENSOR, a
 torch tensor [B, ...]. Each op runs the first implementation whose operands can be had in the
 forms it takes: its host function (HOST in, HOST out), one of its variants, else its torch
-kernel (TENSOR in, TENSOR out). A form is made from another where an op first needs it, and only
+implementation (TENSOR in, TENSOR out). A form is made from another where an op first needs it, and only
 where that is cheap: a TENSOR from HOST values or an ARRAY anywhere, HOST or ARRAY from a TENSOR
 only in host memory, where reading a value is a copy of a few bytes rather than a wait for
 queued work (a device's values reach the host once per batch, in the loop's readback).
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from host.epilogue.env import ChannelWrite, Result, host_length
-from host.epilogue.kernels import NP_DTYPE, TORCH_DTYPE, Ctx
+from host.epilogue.tensors import NP_DTYPE, TORCH_DTYPE, Ctx
 from host.epilogue.ops import OPS
 from host.epilogue.ops.effects import write_cells
 from host.epilogue.ops.spec import ARRAY, HOST, TENSOR
@@ -76,7 +76,7 @@ def channel_input(bufs: list, dtype: torch.dtype, copy: bool) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1024)
 def scalar_tensor(value, dtype: torch.dtype, B: int, dev) -> torch.Tensor:
-    """A constant scalar as a [B] tensor on `dev` (kernels never write their operands)."""
+    """A constant scalar as a [B] tensor on `dev` (implementations never write their operands)."""
     return torch.full((B,), value, dtype=dtype, device=dev)
 
 
@@ -246,10 +246,10 @@ class _Builder:
                     self.made(outs[0], var.gives[0])
                     return
                 args = [self.hosts(a) if f == HOST else self.get(a, f) for a, f in zip(op.args, var.takes)]
-                self.call(op, var.fn, args, var.gives, f"{op.name}{op.index}_v{j}", var.ctx, kernel=False)
+                self.call(op, var.fn, args, var.gives, f"{op.name}{op.index}_v{j}", var.ctx, impl=False)
                 return
-        self.call(op, spec.kernel, ["[" + ", ".join(self.get(a, TENSOR) for a in op.args) + "]"],
-                  (TENSOR,) * len(outs), f"k_{op.name}{op.index}", True, kernel=True)
+        self.call(op, spec.impl, ["[" + ", ".join(self.get(a, TENSOR) for a in op.args) + "]"],
+                  (TENSOR,) * len(outs), f"k_{op.name}{op.index}", True, impl=True)
 
     def constant(self, i: int, value) -> None:
         self.emit(f"h{i} = {value!r}" if self.B == 1 else f"h{i} = [{value!r}] * {self.B}")
@@ -284,13 +284,13 @@ class _Builder:
             self.emit(f"h{out} = [{expr} for {', '.join(xs)} in {over}]")
         self.made(out, HOST)
 
-    def call(self, op, fn, args: list[str], gives: tuple[str, ...], name: str, ctx: bool, kernel: bool) -> None:
-        """Emit a call of a kernel (it returns a list) or a variant (its result, or a tuple)."""
+    def call(self, op, fn, args: list[str], gives: tuple[str, ...], name: str, ctx: bool, impl: bool) -> None:
+        """Emit a call of an implementation (it returns a list) or a variant (its result, or a tuple)."""
         self.uses_ctx |= ctx
         self.scope[name] = fn
         self.scope[f"op{op.index}"] = op
         call = f"{name}({'ctx' if ctx else 'None'}, op{op.index}, {', '.join(args)})"
-        if len(op.outs) == 1 and not kernel:
+        if len(op.outs) == 1 and not impl:
             results = [call]
         else:
             self.emit(f"r = {call}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import wasmtime
 from wasmtime.component import Component
 
-from ..store import pie_home
+from ..paths import pie_home
 from .errors import InferletError
 
 _WASM_MAGIC = b"\0asm"

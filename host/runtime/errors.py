@@ -21,6 +21,11 @@ class InferletError(PieError):
     code = "inferlet-failed"
 
 
+class GuestError(InferletError):
+    """The error the inferlet's `run` returned: its own words (the SDK's inferlets return one
+    only for arguments they refuse), not the host's."""
+
+
 class BudgetExceeded(InvalidArgument):
     """A request past one of the instance's budgets (host/runtime/limits.py): the guest may
     release something and retry, so it is the WIT's invalid-argument, naming the flag."""

@@ -29,7 +29,7 @@ from . import imports
 from .imports import PACKAGE as WIT_PACKAGE, VERSION as WIT_VERSION
 from .bindings import InstanceHost
 from .cache import ComponentCache
-from .errors import InferletError
+from .errors import GuestError, InferletError
 from .limits import Limits, flag
 
 
@@ -43,6 +43,7 @@ class RunResult:
     token_ids: list[int]
     stats: dict
     log: str = ""  # the guest's captured stdout and stderr
+    returned: bool = False  # `error` is the one the inferlet's `run` returned (its own words), not the host's
 
     def to_json(self) -> dict:
         out = {"inferlet": self.inferlet, "model": self.model, "text": self.text, "token_ids": self.token_ids,
@@ -177,7 +178,7 @@ class Runtime:
 
     def _run(self, wasm, name: str, host: InstanceHost, limits: Limits) -> RunResult:
         t0 = time.perf_counter()
-        error = None
+        error, returned = None, False
         with tempfile.TemporaryDirectory(prefix="pie-run-") as tmp:
             log_path = Path(tmp) / "log"
             log_path.touch()
@@ -189,7 +190,7 @@ class Runtime:
                 if host.fatal is not None:  # cancelled, or past a budget, and then returned
                     error = host.fatal
             except InferletError as e:
-                error = str(e)
+                error, returned = str(e), isinstance(e, GuestError)
             except PieError as e:
                 error = f"{e.code}: {e}"
             except wasmtime.WasmtimeError as e:
@@ -213,7 +214,7 @@ class Runtime:
         wall = time.perf_counter() - t0
         return RunResult(
             inferlet=name, model=self.engine.info.name, ok=error is None, error=error, text=text,
-            token_ids=list(host.token_ids), stats=self._stats(host, wall), log=log)
+            token_ids=list(host.token_ids), stats=self._stats(host, wall), log=log, returned=returned)
 
     def _instantiate_and_run(self, component, host: InstanceHost, limits: Limits, log_path: Path) -> None:
         store = wasmtime.Store(self.wasm_engine)
@@ -242,7 +243,7 @@ class Runtime:
         host.start_guest_clock()
         result = run(store)
         if result is not None:
-            raise InferletError(str(result))
+            raise GuestError(str(result))
 
     def _explain_trap(self, e: wasmtime.WasmtimeError, host: InstanceHost, limits: Limits, guest_log: str) -> str:
         text = str(e)

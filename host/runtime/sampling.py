@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..epilogue.kernels import Stream, argmax as _argmax, uniforms
+from ..epilogue.tensors import Stream, argmax as _argmax, uniforms
 from ..epilogue.ops.sampling import sample_logits
 from ..errors import InvalidArgument
 
@@ -26,7 +26,7 @@ def greedy(logits: torch.Tensor, position: int) -> list[int]:
 
 class Sampler:
     """softmax(logits / temperature) cut to the top-p nucleus; a pass's draws are keyed by the
-    sampler's seed and the position of the pass's first row (kernels.draw_seed)."""
+    sampler's seed and the position of the pass's first row (tensors.draw_seed)."""
 
     def __init__(self, temperature: float, top_p: float, seed: int):
         if not temperature >= 0:

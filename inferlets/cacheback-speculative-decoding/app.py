@@ -11,11 +11,9 @@ at EOS or max-tokens), and starts one looping pass whose window comes from the p
 guest calls for the whole run instead of two per token.
 """
 
-import wit_world
-from componentize_py_types import Err
-from inferlet import ForwardPass, Model, PieError, UsageError, arguments, parse_generation_args
-from inferlet import cacheback, mtp
+from inferlet import ForwardPass, Model, UsageError, cacheback, mtp
 from inferlet.loop import head_prompt_pass, run_window_loop
+from inferlet.world import generation_world
 
 # ngram-min 2: single-token matches propose drafts nearly every round and are mostly wrong, and
 # verifying any draft costs a step (a 2-row pass ~1.2x a 1-row pass on a CPU, 9 rows ~1.4x).
@@ -61,9 +59,4 @@ def generate(args) -> None:
     ws.release()
 
 
-class WitWorld(wit_world.WitWorld):
-    def run(self) -> None:
-        try:
-            generate(parse_generation_args(arguments(), EXTRA))
-        except (PieError, UsageError) as e:
-            raise Err(str(e))
+WitWorld = generation_world(generate, EXTRA)

@@ -8,11 +8,9 @@ output always matches the grammar; a run cut by --max-tokens before the grammar 
 ends with its last token not an end-of-sequence one (the run's stats say "finish": "length").
 """
 
-import wit_world
-from componentize_py_types import Err
-from inferlet import ForwardPass, Grammar, Model, PieError, UsageError, arguments, parse_generation_args
-from inferlet import constrained
+from inferlet import ForwardPass, Grammar, Model, UsageError, constrained
 from inferlet.loop import run_window_loop
+from inferlet.world import generation_world
 
 EXTRA = {"--json-schema": ("", str), "--regex": ("", str), "--grammar": ("", str), "--draft-len": (8, int),
          "--ngram-max": (3, int), "--ngram-min": (2, int)}
@@ -54,9 +52,4 @@ def generate(args) -> None:
     ws.release()
 
 
-class WitWorld(wit_world.WitWorld):
-    def run(self) -> None:
-        try:
-            generate(parse_generation_args(arguments(), EXTRA))
-        except (PieError, UsageError) as e:
-            raise Err(str(e))
+WitWorld = generation_world(generate, EXTRA)

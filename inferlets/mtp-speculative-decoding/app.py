@@ -7,14 +7,12 @@ committed rows and chains it into the next window (`inferlet.mtp`). The guest on
 committed tokens: no call per round.
 """
 
-import wit_world
-from componentize_py_types import Err
-from inferlet import Model, PieError, UsageError, arguments, parse_generation_args
-from inferlet import mtp
+from inferlet import Model, UsageError, mtp
 from inferlet.loop import head_prompt_pass, run_window_loop
+from inferlet.world import generation_world
 
 # --draft-len 2: on a CPU each verified row costs a share of a pass, and a chained head's later
-# drafts are accepted less often than its first (see the README's MTP figures)
+# drafts are accepted less often than its first (docs/performance.md has the MTP figures)
 EXTRA = {"--draft-len": (2, int), "--drafter": ("", str), "--fixed": (0, int)}
 
 
@@ -46,9 +44,4 @@ def generate(args) -> None:
     ws.release()
 
 
-class WitWorld(wit_world.WitWorld):
-    def run(self) -> None:
-        try:
-            generate(parse_generation_args(arguments(), EXTRA))
-        except (PieError, UsageError) as e:
-            raise Err(str(e))
+WitWorld = generation_world(generate, EXTRA)

@@ -7,11 +7,9 @@ after EOS, which ends the loop); the guest only takes committed tokens from the 
 argmax/sample readout, then emit: two crossings per token).
 """
 
-import wit_world
-from componentize_py_types import Err
-from inferlet import (Channel, ForwardPass, Model, PieError, Sampler, StateGeometry, UsageError, arguments, emit,
-                      emit_channel, parse_generation_args)
-from inferlet.trace import Program
+from inferlet import Channel, ForwardPass, Model, Sampler, StateGeometry, UsageError, emit, emit_channel
+from inferlet.decode import decode_program
+from inferlet.world import generation_world
 
 
 def guest_loop(model, ws, prompt, args) -> None:
@@ -24,28 +22,6 @@ def guest_loop(model, ws, prompt, args) -> None:
         if token in eos:
             break
         window = [token]
-
-
-def decode_program(args, eos_ids) -> str:
-    """The device loop's epilogue: one token per round, from the window's last row. The window
-    is free (the whole prompt in the first round, one token after) and the pass folds all of it."""
-    p = Program(readout=1)
-    p.channel("out", "i64", args.max_tokens)
-    p.channel("window", "i64", 1)
-    logits = p.logits()
-    if args.temperature > 0:
-        tok = p.sample(logits, temperature=args.temperature, top_p=args.top_p if args.top_p < 1 else None)
-    else:
-        tok = logits.argmax()
-    p.put("out", tok)
-    first = tok[0]
-    eos = p.const(False)
-    for e in eos_ids:
-        eos = eos | (first == e)
-    # the next window, none after EOS: a loop whose window is empty ends (run_loop's round
-    # count ends it at the token limit)
-    p.set("window", tok, count=p.where(eos, 0, 1))
-    return p.to_json()
 
 
 def device_loop(model, ws, prompt, args) -> None:
@@ -76,9 +52,4 @@ def generate(args) -> None:
     (device_loop if mode == "device" else guest_loop)(model, ws, prompt, args)
 
 
-class WitWorld(wit_world.WitWorld):
-    def run(self) -> None:
-        try:
-            generate(parse_generation_args(arguments(), {"--loop": ("device", str)}))
-        except (PieError, UsageError) as e:
-            raise Err(str(e))
+WitWorld = generation_world(generate, {"--loop": ("device", str)})

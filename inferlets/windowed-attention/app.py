@@ -11,11 +11,9 @@ Until the first eviction the passes are text-completion's (the prompt as one pas
 round), so the tokens are the same.
 """
 
-import wit_world
-from componentize_py_types import Err
-from inferlet import (Channel, ForwardPass, Model, PieError, StateGeometry, UsageError, arguments, emit_channel,
-                      parse_generation_args)
-from inferlet.trace import Program
+from inferlet import Channel, ForwardPass, Model, StateGeometry, UsageError, emit_channel
+from inferlet.decode import decode_program
+from inferlet.world import generation_world
 
 EXTRA = {"--sinks": (4, int), "--window": (0, int), "--step": (64, int)}
 
@@ -39,25 +37,6 @@ class Window:
             return frozen
         ws.evict(self.sinks, frozen - self.window)  # frozen > sinks + window here: the range is not empty
         return self.sinks + self.window
-
-
-def decode_program(args, eos_ids) -> str:
-    """text-completion's epilogue: one token per round, appended to `out` and written as the next
-    window (none after EOS: a loop whose window is empty ends)."""
-    p = Program(readout=1)
-    p.channel("out", "i64", args.max_tokens)
-    p.channel("window", "i64", 1)
-    logits = p.logits()
-    if args.temperature > 0:
-        tok = p.sample(logits, temperature=args.temperature, top_p=args.top_p if args.top_p < 1 else None)
-    else:
-        tok = logits.argmax()
-    p.put("out", tok)
-    eos = p.const(False)
-    for e in eos_ids:
-        eos = eos | (tok[0] == e)
-    p.set("window", tok, count=p.where(eos, 0, 1))
-    return p.to_json()
 
 
 def prefill(ws, prompt, policy: Window, ep, seed: int) -> int:
@@ -98,9 +77,4 @@ def generate(args) -> None:
         left -= rounds
 
 
-class WitWorld(wit_world.WitWorld):
-    def run(self) -> None:
-        try:
-            generate(parse_generation_args(arguments(), EXTRA))
-        except (PieError, UsageError) as e:
-            raise Err(str(e))
+WitWorld = generation_world(generate, EXTRA)

@@ -1,5 +1,5 @@
 """The op registry: every epilogue op declared once, in its family's module, with its arity,
-attributes and defaults, type rule, torch kernel, host function, variants for host-held operands
+attributes and defaults, type rule, torch implementation, host function, variants for host-held operands
 and IR doc entry (spec.py says what each is). Validation, planning (plan.py) and the ops
 section of wit/epilogue-ir.md all read OPS.
 

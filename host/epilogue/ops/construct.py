@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Dim, Value
-from host.epilogue.kernels import TORCH_DTYPE
+from host.epilogue.tensors import TORCH_DTYPE
 from host.epilogue.ops.spec import Attr, define, family
 
 F = family("construct", "Constructors:")
@@ -19,13 +19,13 @@ def _const_infer(t, av, at):
     return [Value(dt, tuple(Dim.of(n) for n in shp), ub, v if dt == "i64" and not isinstance(v, list) else None)]
 
 
-def _const_kernel(ctx, op, a):
+def _const_impl(ctx, op, a):
     t = torch.tensor(op.attrs["value"], dtype=TORCH_DTYPE[op.attrs["dtype"]], device=ctx.device)
     return [t.unsqueeze(0).expand(ctx.B, *t.shape)]
 
 
 define("const", F, args=0, attrs={"value": Attr("value"), "dtype": Attr("dtype")},
-       infer=_const_infer, kernel=_const_kernel,
+       infer=_const_infer, impl=_const_impl,
        doc="`const(; value, dtype)`: a scalar or a rectangular nested list (at most 65536 elements, rank 8).")
 
 
@@ -37,13 +37,13 @@ def _full_infer(t, av, at):
     return [Value(dt, t.shape(at["shape"]), [Dim.of(at["value"])] if dt == "i64" else [])]
 
 
-def _full_kernel(ctx, op, a):
+def _full_impl(ctx, op, a):
     return [torch.full([ctx.B, *ctx.shape(ctx.values[op.outs[0]])], op.attrs["value"],
                        dtype=TORCH_DTYPE[op.attrs["dtype"]], device=ctx.device)]
 
 
 define("full", F, args=0, attrs={"shape": Attr("dims"), "value": Attr("value"), "dtype": Attr("dtype")},
-       infer=_full_infer, kernel=_full_kernel, doc="`full(; shape, value, dtype)`: a tensor of one scalar value.")
+       infer=_full_infer, impl=_full_impl, doc="`full(; shape, value, dtype)`: a tensor of one scalar value.")
 
 
 def _arange_infer(t, av, at):
@@ -51,14 +51,14 @@ def _arange_infer(t, av, at):
     return [Value("i64", (n,), [n + (at["start"] - 1)])]
 
 
-def _arange_kernel(ctx, op, a):
+def _arange_impl(ctx, op, a):
     n = ctx.shape(ctx.values[op.outs[0]])[0]
     start = op.attrs["start"]
     return [torch.arange(start, start + n, device=ctx.device).unsqueeze(0).expand(ctx.B, n)]
 
 
 define("arange", F, args=0, attrs={"n": Attr("dim"), "start": Attr("int", 0)},
-       infer=_arange_infer, kernel=_arange_kernel,
+       infer=_arange_infer, impl=_arange_impl,
        doc="`arange(; n, start=0)` -> i64 [n]: start, start+1, ... (n an int or a dim).")
 
 
@@ -76,6 +76,6 @@ def measured(values: list[Value], op, bind: dict[str, int]) -> int:
 
 
 define("size", F, args=1, attrs={"axis": Attr("int", 0)}, infer=_size_infer,
-       kernel=lambda ctx, op, a: [torch.full((ctx.B,), measured(ctx.values, op, ctx.bind), dtype=torch.int64,
+       impl=lambda ctx, op, a: [torch.full((ctx.B,), measured(ctx.values, op, ctx.bind), dtype=torch.int64,
                                              device=ctx.device)],
        doc="`size(x; axis=0)` -> i64 []: the length of an axis (known to the host).")

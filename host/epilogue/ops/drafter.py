@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Dim, ProgramError, Value
-from host.epilogue.kernels import Stream
+from host.epilogue.tensors import Stream
 from host.epilogue.ops.spec import Attr, define, family
 
 F = family("drafter", "Draft heads (attached to the model at import; named by `drafter`):")
@@ -48,7 +48,7 @@ def _draft(ctx, op, a):
 define("mtp_draft", F, args=(3, 4), results=2,
        attrs={"drafter": Attr("drafter"), "k": Attr("int", lo=1, hi=64),
               "temperature": Attr("num", 0.0, lo=0.0, hi=100.0), "seed": Attr("int", 0)},
-       infer=_draft_infer, kernel=_draft,
+       infer=_draft_infer, impl=_draft,
        doc="""`mtp_draft(hidden: f32 [R, H], tokens: i64 [n], count: i64 [], [limit: i64 []]; drafter, k,
 temperature=0, seed=0)` -> (drafts i64 [k], n i64 []). The MTP head `drafter` runs over the window rows [0, count) (clamped
 to [0, min(R, n)]): row r pairs the target's hidden state `hidden[r]` (readout on every row from
@@ -90,7 +90,7 @@ def _probs(ctx, op, a):
     return [torch.stack(rows)]
 
 
-define("draft_probs", F, args=2, attrs={"drafter": Attr("drafter")}, infer=_probs_infer, kernel=_probs,
+define("draft_probs", F, args=2, attrs={"drafter": Attr("drafter")}, infer=_probs_infer, impl=_probs,
        doc="""`draft_probs(drafts: i64 [k], from_head: bool []; drafter)` -> f32 [k, V]: the q of
 `verify_sample` for this window's drafts. With from_head, the distributions the head drew them from
 in its last `mtp_draft` for this working set (it must have proposed exactly this window's drafts,

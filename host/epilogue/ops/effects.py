@@ -1,13 +1,14 @@
 """Effects: what an epilogue leaves behind (channel writes, the fold count, the stop flag).
-They have no result and no kernel: the executor applies them. A program has at most one
+They have no result and no implementation: the executor applies them. A program has at most one
 write per channel, one fold and one stop."""
 
 from __future__ import annotations
 
 import torch
 
+
 from host.epilogue.env import host_length
-from host.epilogue.ir import Dim, dim_leq
+from host.epilogue.ir import Dim, ProgramError, dim_leq
 from host.epilogue.ops.spec import Attr, define, family
 
 F = family("effects", "Effects (no result; at most one write per channel, one fold, one stop):")
@@ -28,10 +29,10 @@ def _write_infer(name):
     return infer
 
 
-define("put", F, args=(1, 2), results=0, attrs={"channel": Attr("channel")}, infer=_write_infer("put"), kernel=None,
+define("put", F, args=(1, 2), results=0, attrs={"channel": Attr("channel")}, infer=_write_infer("put"), impl=None,
        doc="`put(values [M], [count: i64 []]; channel)`: append values[:count] (count defaults to M, clamped "
            "to [0, M]) at the channel's length; cells past capacity are dropped and the write reports overflow.")
-define("set", F, args=(1, 2), results=0, attrs={"channel": Attr("channel")}, infer=_write_infer("set"), kernel=None,
+define("set", F, args=(1, 2), results=0, attrs={"channel": Attr("channel")}, infer=_write_infer("set"), impl=None,
        doc="`set(values [M], [count]; channel)`: overwrite cells [0, count) and set the length to count (cells "
            "past count keep their old contents).")
 
@@ -52,9 +53,9 @@ def _stop_infer(t, av, at):
     return []
 
 
-define("fold", F, args=1, results=0, infer=_fold_infer, kernel=None,
+define("fold", F, args=1, results=0, infer=_fold_infer, impl=None,
        doc="`fold(n: i64 [])`: the rows of this window that become committed state (clamped to [0, W]).")
-define("stop", F, args=1, results=0, infer=_stop_infer, kernel=None, doc="`stop(flag: bool [])`: raise the stop flag.")
+define("stop", F, args=1, results=0, infer=_stop_infer, impl=None, doc="`stop(flag: bool [])`: raise the stop flag.")
 
 
 # --- applying a write (the executor calls these; they are the effects' implementations) -------
@@ -79,10 +80,13 @@ def write_cells(ch, put: bool, cells, count, capacity: int) -> tuple:
                 ch.buf.narrow(0, start, k).copy_(cells.narrow(0, 0, k))  # converts the dtype
             else:  # numpy's assignment converts the dtype as torch's copy_ does, at about half its cost
                 dst = ch.buf.numpy() if getattr(ch, "host", None) is None else ch.host
-                if k == 1:  # one cell (a decode step's token): no slices
-                    dst[start] = cells[0]
-                else:
-                    dst[start:start + k] = cells[:k]
+                try:
+                    if k == 1:  # one cell (a decode step's token): no slices
+                        dst[start] = cells[0]
+                    else:
+                        dst[start:start + k] = cells[:k]
+                except OverflowError:  # an i64 constant past an int32 channel's range: the program's fault
+                    raise ProgramError(f"a value written to the channel does not fit its {dst.dtype} cells") from None
         return start + k, n > room
     cells = cells if isinstance(cells, torch.Tensor) else torch.as_tensor(cells)
     n = count.clamp(0, size)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from host.epilogue.ir import Dim, Value
-from host.epilogue.kernels import NP_DTYPE, TORCH_DTYPE, align, int_values
+from host.epilogue.tensors import NP_DTYPE, TORCH_DTYPE, align, int_values
 from host.epilogue.ops.spec import ARRAY, HOST, TENSOR, Attr, Variant, define, family, max_bound
 
 F = family("elementwise", "Elementwise (broadcasting; binary ops need equal dtypes):")
@@ -39,7 +39,7 @@ def _unary(name: str, dtypes: tuple[str, ...], fn, host, doc: str, inline: str |
         t.need(x, *dtypes)
         return [Value(x.dtype, x.shape, x.ub if name == "abs" else [])]
 
-    define(name, F, args=1, infer=infer, kernel=lambda ctx, op, a: [fn(a[0])], host=host, inline=inline, doc=doc,
+    define(name, F, args=1, infer=infer, impl=lambda ctx, op, a: [fn(a[0])], host=host, inline=inline, doc=doc,
            variants=_on_arrays(np_fn))
 
 
@@ -84,11 +84,11 @@ def _binary(name: str, dtypes: tuple[str, ...], out: str | None, fn, host, doc: 
         t.need(a, *dtypes)
         return [Value(out or a.dtype, shape, [] if out else _bound(name, a, b))]
 
-    def kernel(ctx, op, a):
+    def impl(ctx, op, a):
         r = len(ctx.values[op.outs[0]].shape)
         return [fn(align(a[0], r), align(a[1], r))]
 
-    define(name, F, args=2, infer=infer, kernel=kernel, host=host, inline=inline, doc=doc, variants=_on_arrays(np_fn))
+    define(name, F, args=2, infer=infer, impl=impl, host=host, inline=inline, doc=doc, variants=_on_arrays(np_fn))
 
 
 NUM, ANY = ("i64", "f32"), ("i64", "f32", "bool")
@@ -133,7 +133,7 @@ def _where_infer(t, av, at):
     return [Value(a.dtype, s, max_bound(a.ub, b.ub))]
 
 
-def _where_kernel(ctx, op, a):
+def _where_impl(ctx, op, a):
     r = len(ctx.values[op.outs[0]].shape)
     return [torch.where(*(align(x, r) for x in a))]
 
@@ -151,7 +151,7 @@ def _where_host_cond(ctx, op, conds: list, a, b):
     return torch.where(c, a, b)
 
 
-define("where", F, args=3, infer=_where_infer, kernel=_where_kernel, host=lambda c, a, b: a if c else b,
+define("where", F, args=3, infer=_where_infer, impl=_where_impl, host=lambda c, a, b: a if c else b,
        inline="({1} if {0} else {2})",
        variants=(Variant((HOST, TENSOR, TENSOR), (TENSOR,), _where_host_cond, when=_same_shapes, ctx=False),
                  *_on_arrays(np.where, 3)),
@@ -170,7 +170,7 @@ def _scalar_int_cast(values, op) -> bool:
 
 
 define("cast", F, args=1, attrs={"dtype": Attr("dtype")}, infer=_cast_infer,
-       kernel=lambda ctx, op, a: [a[0].to(TORCH_DTYPE[op.attrs["dtype"]])],
+       impl=lambda ctx, op, a: [a[0].to(TORCH_DTYPE[op.attrs["dtype"]])],
        variants=(Variant((HOST,), (HOST,), lambda ctx, op, xs: [(int if op.attrs["dtype"] == "i64" else bool)(x) for x in xs],
                          when=_scalar_int_cast, ctx=False),
                  Variant((ARRAY,), (ARRAY,), lambda ctx, op, x: x.astype(NP_DTYPE[op.attrs["dtype"]]), host_memory=True,

@@ -40,7 +40,7 @@ def _drafts_in_vocab(row: list[int], V: int) -> list[int]:
     return row
 
 
-define("grammar_mask", F, args=1, attrs={"matcher": Attr("matcher")}, infer=_mask_infer, kernel=_mask,
+define("grammar_mask", F, args=1, attrs={"matcher": Attr("matcher")}, infer=_mask_infer, impl=_mask,
        doc="""`grammar_mask(window: i64 [W]; matcher)` -> bool [W, V]. Row 0: the tokens the matcher
 allows now (after what it has committed); row j: those it allows after also consuming window[1..j]
 (the drafts); from the first draft the grammar forbids on, rows are all false. The matcher ends as
@@ -73,7 +73,7 @@ def _commit(ctx, op, a):
 
 define("grammar_commit", F, args=2, results=2,
        attrs={"matcher": Attr("matcher"), "k": Attr("int", lo=0, hi=1024)},
-       infer=_commit_infer, kernel=_commit,
+       infer=_commit_infer, impl=_commit,
        doc="""`grammar_commit(tokens: i64 [n], count: i64 []; matcher, k)` -> (forced i64 [k], n i64 []).
 The matcher consumes tokens[:count] (clamped to [0, n]; a token the grammar forbids is
 `invalid-argument` and ends the loop), then returns up to k tokens the grammar now forces (jump-forward:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from host.epilogue.ir import Dim, ProgramError, Value
-from host.epilogue.kernels import fill_of, gather_fill
+from host.epilogue.tensors import fill_of, gather_fill
 from host.epilogue.ops.spec import ARRAY, HOST, MAX_STATIC_LEN, TENSOR, Attr, Variant, define, family, max_bound
 
 F = family("layout", "Indexing and layout:")
@@ -56,7 +56,7 @@ def _scalar_of_vector(values, op) -> bool:
 
 
 define("index", F, args=1, attrs={"i": Attr("int"), "axis": Attr("int", 0)}, infer=_index_infer,
-       kernel=lambda ctx, op, a: [a[0].select(op.attrs["axis"] + 1, op.attrs["i"])],
+       impl=lambda ctx, op, a: [a[0].select(op.attrs["axis"] + 1, op.attrs["i"])],
        # a cell of a vector in host memory, read as a Python scalar (no select, no tolist)
        variants=(Variant((ARRAY,), (HOST,), lambda ctx, op, a: [a.item(b, op.attrs["i"]) for b in range(len(a))],
                          host_memory=True, when=_scalar_of_vector, ctx=False,
@@ -82,7 +82,7 @@ def _slice(ctx, op, a):
 
 
 define("slice", F, args=1, attrs={"start": Attr("int?", None), "stop": Attr("int?", None), "axis": Attr("int", 0)},
-       infer=_slice_infer, kernel=_slice,
+       infer=_slice_infer, impl=_slice,
        variants=(Variant((ARRAY,), (ARRAY,), lambda ctx, op, a: _slice(ctx, op, [a])[0], host_memory=True, ctx=False),),
        doc="`slice(x; start, stop, axis=0)`: a Python slice, step 1, null = open end. On symbolic dims: "
            "`[a:]`, `[-a:]`, `[a:-b]`, `[a:b]`, checked again when bound.")
@@ -112,7 +112,7 @@ def _take(ctx, op, a):
     return [out.reshape(B, *idx.shape[1:], *rest)]
 
 
-define("take", F, args=2, attrs=FILL, infer=_take_infer, kernel=_take,
+define("take", F, args=2, attrs=FILL, infer=_take_infer, impl=_take,
        doc="`take(x, idx: i64; fill)`: x[idx] along axis 0; the result is idx.shape + x.shape[1:]; indices "
            "outside [0, len) give fill.")
 
@@ -136,7 +136,7 @@ def _gather(ctx, op, a):
     return [x.gather(-1, idx.clamp(0, n - 1)).masked_fill(~ok, fill)]
 
 
-define("gather", F, args=2, attrs=FILL, infer=_gather_infer, kernel=_gather,
+define("gather", F, args=2, attrs=FILL, infer=_gather_infer, impl=_gather,
        doc="`gather(x, idx: i64; fill)`: along the last axis (torch.gather); equal leading dims; "
            "out-of-range indices give fill.")
 
@@ -162,7 +162,7 @@ def _concat_infer(t, av, at):
 
 
 define("concat", F, args=2, attrs={"axis": Attr("int", 0)}, infer=_concat_infer,
-       kernel=lambda ctx, op, a: [torch.cat(a, dim=op.attrs["axis"] + 1)],
+       impl=lambda ctx, op, a: [torch.cat(a, dim=op.attrs["axis"] + 1)],
        variants=(Variant((ARRAY, ARRAY), (ARRAY,), lambda ctx, op, a, b: np.concatenate((a, b), op.attrs["axis"] + 1),
                          host_memory=True, ctx=False),),
        doc="`concat(a, b; axis=0)`: static concatenation (at most one of the two axes symbolic).")
@@ -220,7 +220,7 @@ PACK_VARIANTS = (Variant((ARRAY, HOST, ARRAY, HOST), (ARRAY,), _pack_copy, host_
                  Variant((TENSOR, HOST, TENSOR, TENSOR), (TENSOR,), _pack_copy))
 
 
-define("pack", F, args=4, variants=PACK_VARIANTS, attrs={"size": SIZE, **FILL}, infer=_pack_infer, kernel=_pack,
+define("pack", F, args=4, variants=PACK_VARIANTS, attrs={"size": SIZE, **FILL}, infer=_pack_infer, impl=_pack,
        doc="`pack(a [n], a_len, b [m], b_len; size, fill)` -> [size]: a[:a_len] then b[:b_len] (lengths are "
            "i64 scalars, clamped to [0, n] and [0, m]), then fill.")
 
@@ -264,6 +264,6 @@ DYN_SLICE_VARIANTS = (Variant((ARRAY, HOST, HOST), (ARRAY,), _dyn_slice_copy, ho
                       Variant((TENSOR, HOST, TENSOR), (TENSOR,), _dyn_slice_copy))
 
 
-define("dyn_slice", F, args=3, variants=DYN_SLICE_VARIANTS, attrs={"size": SIZE, **FILL}, infer=_dyn_slice_infer, kernel=_dyn_slice,
+define("dyn_slice", F, args=3, variants=DYN_SLICE_VARIANTS, attrs={"size": SIZE, **FILL}, infer=_dyn_slice_infer, impl=_dyn_slice,
        doc="`dyn_slice(x [n], start, length; size, fill)` -> [size]: x[start + j] for j < length; fill where "
            "j >= length or the index is outside x.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Dim, Value
-from host.epilogue.kernels import argmax
+from host.epilogue.tensors import argmax
 from host.epilogue.ops.spec import TENSOR, Attr, Variant, define, family
 
 F = family("lru", "The LRU n-gram table (Cacheback):")
@@ -46,7 +46,7 @@ def _update_infer(t, av, at):
 
 
 define("lru_lookup", F, args=3, results=2, attrs=GK, infer=_lookup_infer,
-       kernel=lambda ctx, op, a: lru_lookup(a[0], a[1], a[2], op.attrs["g"], op.attrs["k"]),
+       impl=lambda ctx, op, a: lru_lookup(a[0], a[1], a[2], op.attrs["g"], op.attrs["k"]),
        doc="""`lru_lookup(table: i64 [S*(g+k)], stamps: i64 [S], key: i64 [g]; g, k)` -> (followers i64 [k],
 count i64 [] <= k). Row s of `table` is a leader n-gram of g tokens then up to k follower tokens
 padded with -1; `stamps[s]` orders rows by last use, -1 = empty slot. Returns the followers of the
@@ -57,14 +57,14 @@ initialised to -1).""")
 
 def _update_or_skip(ctx, op, table, stamps, seq, length, leaders):
     """In host memory: a sequence of padding only (no leader qualifies) leaves the table as it is,
-    without the kernel's ~20 ops (the rounds before any token leaves the lookup window)."""
+    without the torch implementation's ~20 ops (the rounds before any token leaves the lookup window)."""
     if bool((seq.numpy() < 0).all()):
         return table, stamps
     return tuple(lru_update(table, stamps, seq, length, leaders, op.attrs["g"], op.attrs["k"]))
 
 
 define("lru_update", F, args=5, results=2, attrs=GK, infer=_update_infer,
-       kernel=lambda ctx, op, a: lru_update(*a, op.attrs["g"], op.attrs["k"]),
+       impl=lambda ctx, op, a: lru_update(*a, op.attrs["g"], op.attrs["k"]),
        variants=(Variant((TENSOR,) * 5, (TENSOR, TENSOR), _update_or_skip, host_memory=True, ctx=False),),
        doc="""`lru_update(table, stamps, seq: i64 [n], length: i64 [], leaders: i64 []; g, k)` -> (table'
 [S*(g+k)], stamps' [S]) (n static, <= 1024). The candidates are the leaders seq[i:i+g], i = 0 ..

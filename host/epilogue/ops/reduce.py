@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Dim, Value
-from host.epilogue.kernels import argmax, argmax_np
+from host.epilogue.tensors import argmax, argmax_np
 from host.epilogue.ops.spec import ARRAY, Attr, Variant, define, family
 
 F = family("reduce", "Reductions over `axis` (default -1), removing it; scans along it:")
@@ -29,7 +29,7 @@ def _reduction(name: str, dtypes: tuple[str, ...], fn, doc: str, variants=()) ->
         return [Value(x.dtype, shape, x.ub if name in ("min", "max") else [])]
 
     define(name, F, args=1, attrs=AXIS, infer=infer, doc=doc, variants=variants,
-           kernel=lambda ctx, op, a: [fn(a[0], op.attrs["axis"] + 1)])
+           impl=lambda ctx, op, a: [fn(a[0], op.attrs["axis"] + 1)])
 
 
 def _sum(x, dim):
@@ -66,12 +66,12 @@ def _scan(name: str, doc: str) -> None:
             return [Value(x.dtype, x.shape)]
         return [Value("i64", x.shape, [Dim.of(1)] if name == "cumprod" else [x.shape[ax]])]
 
-    def kernel(ctx, op, a):
+    def impl(ctx, op, a):
         x = a[0].to(torch.int64) if a[0].dtype == torch.bool else a[0]
         ax = op.attrs["axis"] + 1
         return [x.cumsum(ax) if name == "cumsum" else x.cumprod(ax)]
 
-    define(name, F, args=1, attrs=AXIS, infer=infer, kernel=kernel, doc=doc)
+    define(name, F, args=1, attrs=AXIS, infer=infer, impl=impl, doc=doc)
 
 
 _scan("cumsum", "`cumsum(x; axis=-1)`: running sums, same shape (bool input gives i64).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Value
-from host.epilogue.kernels import Stream, exp_race
+from host.epilogue.tensors import Stream, exp_race
 from host.epilogue.ops.spec import Attr, define, family
 
 F = family("sampling", "Sampling (seeded, see Randomness):")
@@ -28,7 +28,7 @@ def softmax(x: torch.Tensor, temperature: float = 1.0, dim: int = -1) -> torch.T
 
 define("softmax", F, args=1, attrs={"axis": Attr("int", -1), "temperature": Attr("num", 1.0)},
        infer=_softmax_infer,
-       kernel=lambda ctx, op, a: [softmax(a[0], op.attrs["temperature"], op.attrs["axis"] + 1)],
+       impl=lambda ctx, op, a: [softmax(a[0], op.attrs["temperature"], op.attrs["axis"] + 1)],
        doc="`softmax(x: f32; axis=-1, temperature=1.0)`: softmax(x / temperature); temperature > 0.")
 
 
@@ -64,10 +64,10 @@ def _top_p(ctx, op, a):
     return [top_p_filter(a[0], op.attrs["p"])]
 
 
-define("top_k", F, args=1, attrs={"k": Attr("int", lo=1)}, infer=_filter_infer("top_k"), kernel=_top_k,
+define("top_k", F, args=1, attrs={"k": Attr("int", lo=1)}, infer=_filter_infer("top_k"), impl=_top_k,
        doc="`top_k(x: f32; k >= 1)`: over the last axis, entries below the k-th largest become -inf "
            "(ties with the k-th are kept).")
-define("top_p", F, args=1, attrs={"p": Attr("num")}, infer=_filter_infer("top_p"), kernel=_top_p,
+define("top_p", F, args=1, attrs={"p": Attr("num")}, infer=_filter_infer("top_p"), impl=_top_p,
        doc="`top_p(x: f32 logits; 0 < p <= 1)`: over the last axis, sorted by descending probability, an entry "
            "is dropped (-inf) when the entries ranked above it already hold probability >= p; the top entry is "
            "always kept.")
@@ -96,7 +96,7 @@ def sample_logits(logits: torch.Tensor, temperature: float, top_p: float, u: tor
     return exp_race(softmax(x), u)
 
 
-define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, kernel=_sample,
+define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, impl=_sample,
        doc="`sample(w: f32 [..., V]; seed=0)` -> i64 [...]: index i with probability w_i / sum(w) over the last "
            "axis (w >= 0, need not be normalised); -1 if no w_i > 0. Temperature, top-k and top-p are composed "
            "from the ops above (the tracer's `p.sample(logits, temperature, top_k, top_p, seed)` does it in that "
@@ -105,5 +105,5 @@ define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, kernel=_s
 
 define("rand", F, args=0, attrs={"shape": Attr("dims"), "seed": SEED},
        infer=lambda t, av, at: [Value("f32", t.shape(at["shape"]))],
-       kernel=lambda ctx, op, a: [ctx.uniforms(Stream.RAND, op.attrs["seed"], ctx.shape(ctx.values[op.outs[0]]))],
+       impl=lambda ctx, op, a: [ctx.uniforms(Stream.RAND, op.attrs["seed"], ctx.shape(ctx.values[op.outs[0]]))],
        doc="`rand(; shape, seed=0)` -> f32 uniforms in [0, 1).")

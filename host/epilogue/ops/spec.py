@@ -41,7 +41,7 @@ class Variant:
     of B), ARRAY (a numpy array [B, ...] in host memory) and TENSOR (a torch tensor [B, ...]).
 
     fn(ctx, op, *args) -> the results in the forms of `gives` (a tuple when several); ctx is the
-    kernels' Ctx where `ctx` is true, else None (making one costs more than a small op).
+    implementations' Ctx where `ctx` is true, else None (making one costs more than a small op).
     host_memory: only where the host reads the device's memory (the CPU).
     when(values, op): a static condition on the op's types, if any.
     inline(op) -> the same as a Python expression over the operands {0}, {1}, ... for one pass
@@ -63,7 +63,7 @@ class OpSpec:
 
     infer(t, args, attrs) -> result Values: the type and shape rule (attrs are checked and
     defaulted; a rule may normalise them, e.g. an axis to non-negative).
-    kernel(ctx, op, tensors) -> result tensors: the torch implementation over batched values
+    impl(ctx, op, tensors) -> result tensors: the torch implementation over batched values
     [B, ...] (None for effects, which the executor applies itself).
     host: the same op on Python ints and bools, for scalar integer results the host computes.
     inline: the Python expression a generated plan writes for it, over its operands {0}, {1}, ...
@@ -76,7 +76,7 @@ class OpSpec:
     results: int
     attrs: dict[str, Attr]
     infer: Callable
-    kernel: Callable | None
+    impl: Callable | None
     doc: str
     host: Callable | None = None
     inline: str | None = None
@@ -97,12 +97,12 @@ def family(name: str, heading: str) -> str:
 
 
 def define(name: str, family: str, *, args, results: int = 1, attrs: dict | None = None, infer: Callable,
-           kernel: Callable | None, doc: str, host: Callable | None = None, inline: str | None = None,
+           impl: Callable | None, doc: str, host: Callable | None = None, inline: str | None = None,
            variants: tuple[Variant, ...] = ()) -> OpSpec:
     if name in OPS:
         raise ValueError(f"op {name!r} is defined twice")
     spec = OpSpec(name, family, tuple(args) if isinstance(args, (tuple, list)) else (args,), results,
-                  dict(attrs or {}), infer, kernel, doc.strip(), host, inline, tuple(variants))
+                  dict(attrs or {}), infer, impl, doc.strip(), host, inline, tuple(variants))
     OPS[name] = spec
     return spec
 
@@ -128,7 +128,7 @@ def _check_attr(where: str, key: str, a: Attr, v):
             raise ProgramError(f"{where}: attr '{key}'={v} out of range [{lo}, {hi}]")
         return v
     if a.kind == "num":
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > F32_MAX:
+        if isinstance(v, bool) or not _f32(v):
             bad("a finite number")
         v = float(v)
         if a.lo is not None and v < a.lo or a.hi is not None and v > a.hi:
@@ -197,8 +197,16 @@ def const_shape(where: str, v, depth: int = 0) -> tuple[list, tuple[int, ...]]:
 _ELEMENT = {
     "bool": lambda x: isinstance(x, bool),
     "i64": lambda x: _is_int(x) and -(2**63) <= x < 2**63,
-    "f32": lambda x: (_is_int(x) or isinstance(x, float)) and math.isfinite(x) and abs(x) <= F32_MAX,
+    "f32": lambda x: _f32(x),
 }
+
+
+def _f32(x) -> bool:
+    """A number float32 holds: an int is compared exactly (math.isfinite(10**400) raises OverflowError)."""
+    if _is_int(x):
+        return abs(x) <= F32_MAX
+    return isinstance(x, float) and math.isfinite(x) and abs(x) <= F32_MAX
+
 
 
 # --- typing ---------------------------------------------------------------------------------
@@ -230,7 +238,7 @@ class Typing:
             self.fail(f"{what} needs rank >= 1, got {v}")
 
     def axis(self, v: Value, attrs: dict) -> int:
-        """attrs['axis'] for v, made non-negative (in attrs too: the kernels read it so)."""
+        """attrs['axis'] for v, made non-negative (in attrs too: the implementations read it so)."""
         ax, r = attrs["axis"], len(v.shape)
         if not -r <= ax < r:
             self.fail(f"axis {ax} out of range for {v}")

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from host.epilogue.ir import Dim, Value
-from host.epilogue.kernels import Stream, exp_race
+from host.epilogue.tensors import Stream, exp_race
 from host.epilogue.ops.spec import ARRAY, HOST, Attr, Variant, define, family, max_bound
 
 F = family("speculative", "Speculative decoding:")
@@ -39,7 +39,7 @@ define("ngram_lookup", F, args=(1, 2), results=2,
                  Variant((ARRAY, HOST), (ARRAY, HOST), _ngram_host, host_memory=True, ctx=False)),
        attrs={"k": Attr("int", lo=1, hi=1024), "ngram_min": Attr("int", 1, lo=1, hi=64),
               "ngram_max": Attr("int", lambda at: max(at["ngram_min"], 3), lo=1, hi=64)},
-       infer=_ngram_infer, kernel=_ngram,
+       infer=_ngram_infer, impl=_ngram,
        doc="""`ngram_lookup(seq: i64 [n], [length: i64 []]; k, ngram_min=1, ngram_max=max(ngram_min, 3))`
 -> (tokens i64 [k], count i64 []). Over seq[:length] (default n): for g from ngram_max down to
 ngram_min, the suffix of length g; its most recent earlier occurrence starting at i < length-g
@@ -147,7 +147,7 @@ def _verify_sample(ctx, op, a):
 
 
 define("verify_greedy", F, args=2, results=3, infer=_verify_infer("verify_greedy"),
-       kernel=lambda ctx, op, a: verify_greedy(a[0], a[1]),
+       impl=lambda ctx, op, a: verify_greedy(a[0], a[1]),
        variants=(Variant((ARRAY, ARRAY), (ARRAY, ARRAY, ARRAY), lambda ctx, op, d, t: verify_greedy_np(d, t),
                          host_memory=True, ctx=False),),
        doc="""`verify_greedy(drafts: i64 [k], target: i64 [k+1])` -> (accepted n i64 [], tokens i64 [k+1],
@@ -157,7 +157,7 @@ then -1; count = n+1. Typical: drafts = window[1:], target = argmax(logits) with
 `{"R": "W"}`; k may be 0.""")
 
 define("verify_sample", F, args=(2, 3), results=3, attrs={"seed": Attr("int", 0)},
-       infer=_verify_infer("verify_sample"), kernel=_verify_sample,
+       infer=_verify_infer("verify_sample"), impl=_verify_sample,
        doc="""`verify_sample(drafts: i64 [k], p: f32 [k+1, V], [q: f32 [k, V]]; seed=0)` -> the same three
 results. p and q are probabilities (rows are renormalised); without q the drafts were
 deterministic and q is one-hot at the draft. Draft i is accepted when u_i * q_i(x_i) < p_i(x_i),

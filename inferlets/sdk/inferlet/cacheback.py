@@ -20,7 +20,7 @@ from .round import emit_and_fold, head_verify, lookup_context, verify_window
 # The acceptance estimate, in thousandths of a token. A round that drafts costs little more than
 # one that does not (a few-row window reads the weights once; a head that does not draft does not
 # run), so drafting pays while it is right a tenth of the time: on the dev prompts 100 beat 400
-# by ~6% for the MTP head and the hybrid (bench notes in the README).
+# by ~6% for the MTP head and the hybrid (bench notes in docs/performance.md).
 GATE_INIT, GATE_OPEN = 1000, 100
 
 
@@ -53,7 +53,7 @@ class GateRule:
 LOOKUP_GATE = GateRule()
 # a head's drafts: right at a steadier rate, so the estimate follows more rounds (a short run of misses
 # does not close the gate) and every draft takes all K (the head is about as likely right after a miss;
-# the README's MTP section has the comparison)
+# docs/speculative-decoding.md has the comparison)
 HEAD_GATE = GateRule(memory=8, shorten=False)
 
 

@@ -1,7 +1,7 @@
-"""The guest-side rejection rule (Leviathan et al.) for drafters that run in the guest.
+"""The guest-side rejection rule (Leviathan et al.) for proposers that run in the guest.
 
 Pure Python (runs inside the Wasm component). The device loop's rule is the epilogue op
-`verify_sample`; this is the same rule for a drafter that verifies in the guest (drafter.py).
+`verify_sample`; this is the same rule for a proposer that verifies in the guest (proposer.py).
 """
 
 
@@ -27,7 +27,7 @@ def _categorical(w, rng):
 
 
 def verify(drafts, draft_probs, target_probs, rng):
-    """Leviathan et al.'s rejection rule for a guest-side drafter.
+    """Leviathan et al.'s rejection rule for a guest-side proposer.
 
     drafts: k token ids; draft_probs: k distributions over the vocabulary the drafts were
     drawn from (None: deterministic drafts, q one-hot); target_probs: k+1 target

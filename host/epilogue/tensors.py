@@ -1,10 +1,10 @@
-"""What the ops' torch kernels share: the batched context they run in, dtypes and fills,
+"""What the ops' torch implementations share: the batched context they run in, dtypes and fills,
 seeded uniforms (keyed by seed and position), the exponential race, and a fast argmax.
 
 Every runtime value carries a leading batch dim B (passes of several working
 sets running the same program). Axis attrs in the IR are for the unbatched
-value; the validator has normalised them to be non-negative, so +1 in a kernel.
-No kernel reads a tensor back to the host: lengths and counts stay on the device.
+value; the validator has normalised them to be non-negative, so +1 in an implementation.
+No implementation reads a tensor back to the host: lengths and counts stay on the device.
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ import json
 import shlex
 import sys
 
-from .errors import PieError
+from ..errors import PieError
 
 
 def _cmd_import(args) -> int:
-    from . import store
+    from .. import store
 
     rec, created = store.import_model(args.source, name=args.name, dtype=args.dtype, drafter=args.drafter,
                                       progress=sys.stderr.isatty() or args.progress)
@@ -25,7 +25,7 @@ def _cmd_import(args) -> int:
 def _cmd_list(args) -> int:
     from dataclasses import asdict
 
-    from . import store
+    from .. import store
 
     recs = store.list_models()
     if args.json:
@@ -44,7 +44,7 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_remove(args) -> int:
-    from . import store
+    from .. import store
 
     store.remove_model(args.name, drafter=args.drafter)
     print(f"removed drafter {args.drafter} from {args.name}" if args.drafter else f"removed {args.name}")
@@ -76,21 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     rm.set_defaults(func=_cmd_remove)
 
     drafter = sub.add_parser("drafter", help="train draft heads for imported models")
-    from .drafter.train_cli import add_parser as add_train_parser
+    from .drafter import add_parser as add_train_parser
 
     add_train_parser(drafter.add_subparsers(dest="drafter_command", required=True))
 
     try:
-        from .runtime.cli import add_run_parser
+        from .run import add_run_parser
     except ModuleNotFoundError as e:  # model management works without the runtime
-        if e.name not in ("host.runtime", "host.runtime.cli"):
+        if e.name not in ("host.runtime", "host.cli.run"):
             raise
     else:
         add_run_parser(sub)
-        from .daemon.cli import add_serve_parser  # the daemon runs inferlets: it needs the runtime
+        from .serve import add_serve_parser  # the daemon runs inferlets: it needs the runtime
 
         add_serve_parser(sub)
-        from .conformance.cli import add_conformance_parser  # the suite runs its probe on the runtime
+        from .conformance import add_conformance_parser  # the suite runs its probe on the runtime
 
         add_conformance_parser(sub)
     return parser

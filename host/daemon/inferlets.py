@@ -1,4 +1,4 @@
-"""The programs a server can launch: the built inferlets (build/inferlets/NAME.wasm) and the
+"""The inferlets a server can launch: the built inferlets (build/inferlets/NAME.wasm) and the
 components clients uploaded, each known by the sha256 of its bytes."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ HASH = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
-class Program:
+class Inferlet:
     name: str | None  # a built-in's name, or the name its last upload gave (None: known by hash only)
     hash: str  # sha256 of the .wasm
     bytes: int
@@ -40,7 +40,7 @@ class Program:
         return self.name or self.hash[:12]
 
 
-class Programs:
+class Inferlets:
     """Built-ins are read from `builtin_dir` at each lookup (`make inferlets` may rebuild them);
     uploads are kept in `upload_dir` as HASH.wasm with a HASH.json naming them, so they outlive
     the server. Compiling goes through Runtime.load: once per content, cached on disk."""
@@ -50,7 +50,7 @@ class Programs:
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # built-in -> ((mtime, size), sha256)
         self._lock = threading.Lock()
 
-    def _builtins(self) -> list[Program]:
+    def _builtins(self) -> list[Inferlet]:
         out = []
         for path in sorted(self.builtin_dir.glob("*.wasm")) if self.builtin_dir.is_dir() else []:
             st = path.stat()
@@ -58,10 +58,10 @@ class Programs:
             seen = self._hashes.get(path)
             if seen is None or seen[0] != stamp:
                 seen = self._hashes[path] = (stamp, hashlib.sha256(path.read_bytes()).hexdigest())
-            out.append(Program(path.stem, seen[1], st.st_size, True, path))
+            out.append(Inferlet(path.stem, seen[1], st.st_size, True, path))
         return out
 
-    def _uploads(self) -> list[Program]:
+    def _uploads(self) -> list[Inferlet]:
         out = []
         for path in sorted(self.upload_dir.glob("*.wasm")) if self.upload_dir.is_dir() else []:
             if not HASH.fullmatch(path.stem):
@@ -70,13 +70,13 @@ class Programs:
                 name = json.loads(path.with_suffix(".json").read_text()).get("name")
             except (OSError, ValueError):
                 name = None
-            out.append(Program(name, path.stem, path.stat().st_size, False, path))
+            out.append(Inferlet(name, path.stem, path.stat().st_size, False, path))
         return out
 
-    def list(self) -> list[Program]:
+    def list(self) -> list[Inferlet]:
         return self._builtins() + self._uploads()
 
-    def resolve(self, name_or_hash: str) -> Program:
+    def resolve(self, name_or_hash: str) -> Inferlet:
         """By hash, else by name: a built-in's first, then an upload's (the latest named so)."""
         progs = self.list()
         for p in progs:
@@ -88,9 +88,9 @@ class Programs:
         raise NotFound(f"no inferlet {name_or_hash!r}: not a built-in's name, nor an upload's name or sha256 "
                        "(GET /v1/inferlets lists them)", param="inferlet", code="inferlet_not_found")
 
-    async def upload(self, wasm: bytes, name: str | None) -> tuple[Program, bool]:
+    async def upload(self, wasm: bytes, name: str | None) -> tuple[Inferlet, bool]:
         """Check and compile `wasm` (a bad component is refused with the runtime's message), then
-        keep it; (the program, whether it was new). A second upload of the same bytes only renames it."""
+        keep it; (the inferlet, whether it was new). A second upload of the same bytes only renames it."""
         if name is not None and not NAME.fullmatch(name):
             raise BadRequest(f"name {name!r}: 1 to 64 letters, digits, '.', '_' or '-'", param="name")
         digest = hashlib.sha256(wasm).hexdigest()

@@ -1,19 +1,18 @@
-"""ngram-drafter: speculative decoding with a drafter written in the guest, as a user would.
+"""ngram-proposer: speculative decoding with a proposer written in the guest, as a user would.
 
-The drafter learns an n-gram table from the context as it grows: for every n-gram
+The proposer learns an n-gram table from the context as it grows: for every n-gram
 (n = 1..ngram_max) it remembers where it was last followed by a token. To draft, it finds
 the longest suffix of the context seen before and proposes the tokens that followed it.
-The SDK's `inferlet.drafter.generate` does the rest: one verify pass per round, commit
-the accepted rows, emit. Copy this folder to start your own drafter.
+The SDK's `inferlet.proposer.generate` does the rest: one verify pass per round, commit
+the accepted rows, emit. Copy this folder to start your own proposer.
 """
 
-import wit_world
-from componentize_py_types import Err
-from inferlet import Model, PieError, UsageError, arguments, parse_generation_args
-from inferlet.drafter import Drafter, generate
+from inferlet import Model, UsageError
+from inferlet.proposer import Proposer, generate
+from inferlet.world import generation_world
 
 
-class NgramDrafter(Drafter):
+class NgramProposer(Proposer):
     def __init__(self, ngram_max: int = 3):
         self.n = ngram_max
         self.seq = []
@@ -43,12 +42,7 @@ def run(args) -> None:
     k, n = args.extra["draft_len"], args.extra["ngram_max"]
     if k < 0 or n < 1:
         raise UsageError("need --draft-len >= 0 and --ngram-max >= 1")
-    generate(model, NgramDrafter(n), prompt, args, draft_len=k)
+    generate(model, NgramProposer(n), prompt, args, draft_len=k)
 
 
-class WitWorld(wit_world.WitWorld):
-    def run(self) -> None:
-        try:
-            run(parse_generation_args(arguments(), {"--draft-len": (6, int), "--ngram-max": (3, int)}))
-        except (PieError, UsageError) as e:
-            raise Err(str(e))
+WitWorld = generation_world(run, {"--draft-len": (6, int), "--ngram-max": (3, int)})

@@ -1,7 +1,6 @@
 """`pie drafter train MODEL --name NAME`: self-distil an MTP draft head for an imported model.
 
-host/cli.py registers it with `add_parser(subparsers)` (the `drafter` command's subparsers);
-`python -m host.drafter.train_cli MODEL --name NAME ...` runs the same command stand-alone.
+host/cli/__init__.py registers it with `add_parser(subparsers)` (the `drafter` command's subparsers).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from pathlib import Path
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from .train import TrainConfig
+    from ..drafter.train import TrainConfig
 
     d = TrainConfig(name="")
     p.add_argument("model", help="an imported model's name (see `pie model list`) or a model folder")
@@ -53,7 +52,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve_model(model: str) -> Path:
-    from .. import store
+    from .. import paths, store
     from ..errors import InvalidArgument
 
     p = Path(model).expanduser()
@@ -63,15 +62,15 @@ def _resolve_model(model: str) -> Path:
         rec = store.read_record(model)
     except Exception as e:  # ModelNotFound and friends: say what to do
         raise InvalidArgument(f"no model {model!r}: import it first (`pie model import {model}`) or give a folder") from e
-    folder = Path(rec.path) if rec.path else store.models_dir() / rec.name
-    return folder if (folder / "config.json").exists() else store.models_dir() / rec.name
+    folder = Path(rec.path) if rec.path else paths.models_dir() / rec.name
+    return folder if (folder / "config.json").exists() else paths.models_dir() / rec.name
 
 
 def run(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .train import TrainConfig, train
+    from ..drafter.train import TrainConfig, train
 
     folder = _resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -98,16 +97,3 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=run)
     return p
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pie drafter")
-    sub = parser.add_subparsers(dest="drafter_command", required=True)
-    add_parser(sub)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    args.command_line = "pie drafter " + shlex.join(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,12 @@
 """`pie serve [--model M] [--host H] [--port P] [--api-key-file F] [--max-instances N] [--max-queue N]
-[--max-instances-per-key N] [--default-inferlet NAME]`."""
+[--max-instances-per-key N] [--default-inferlet NAME]`, the client limits of host/daemon/limits.py
+(--max-body-mb, --max-upload-mb, timeouts, ...) and each instance's of host/runtime/limits.py."""
 
 from __future__ import annotations
 
 import logging
 
+from ..daemon import limits as serve_limits
 from ..runtime.limits import add_flags, from_args
 
 
@@ -27,20 +29,19 @@ def add_serve_parser(subparsers) -> None:
                    help="most instances one API key has running and waiting; past it 429 (default: no limit)")
     p.add_argument("--default-inferlet", "--inferlet", dest="inferlet", default="text-completion",
                    help="the inferlet that serves completions which name none: a built name or a .wasm path")
-    p.add_argument("--max-upload-mb", type=int, default=64,
-                   help="largest .wasm POST /v1/inferlets takes; past it 413 (default 64)")
+    serve_limits.add_flags(p)  # what one client may cost before an instance runs
     add_flags(p)  # each instance's limits: a launch may ask for less, never more
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
     from ..errors import InvalidArgument
-    from ..runtime.cli import resolve_inferlet
+    from ..paths import resolve_inferlet
     from ..runtime.runtime import Runtime
     from ..store import open_engine
-    from .auth import load_keys
-    from .server import Daemon
-    from .service import ServeConfig, Service
+    from ..daemon.auth import load_keys
+    from ..daemon.server import Daemon
+    from ..daemon.service import ServeConfig, Service
 
     if args.max_instances < 1:
         raise InvalidArgument("--max-instances must be at least 1")
@@ -48,11 +49,11 @@ def cmd_serve(args) -> int:
         raise InvalidArgument("--max-queue must be at least 0")
     if args.max_instances_per_key is not None and args.max_instances_per_key < 1:
         raise InvalidArgument("--max-instances-per-key must be at least 1")
-    if args.max_upload_mb < 1:
-        raise InvalidArgument("--max-upload-mb must be at least 1")
+    client_limits = serve_limits.from_args(args)
     config = ServeConfig(inferlet=resolve_inferlet(args.inferlet), max_instances=args.max_instances,
                          max_queue=args.max_queue, max_instances_per_key=args.max_instances_per_key,
-                         api_keys=load_keys(args.api_key_file), max_upload_bytes=args.max_upload_mb << 20)
+                         api_keys=load_keys(args.api_key_file), max_upload_bytes=client_limits.upload_bytes,
+                         limits=client_limits)
     limits = from_args(args)  # all checked before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pie.serve")

@@ -1,13 +1,13 @@
-"""Write your own drafter: a guest-side drafting interface and the SDK loop that verifies it.
+"""Write your own proposer: a guest-side drafting interface and the SDK loop that verifies it.
 
-A drafter proposes tokens; the SDK verifies them against the target model and commits what
+A proposer drafts tokens; the SDK verifies them against the target model and commits what
 the target agrees with, so the output is exactly what plain decoding gives (greedy: token
 for token; sampled: the same distribution, by Leviathan et al.'s rejection rule).
 
     from inferlet import Model, parse_generation_args, arguments
-    from inferlet.drafter import Drafter, generate
+    from inferlet.proposer import Proposer, generate
 
-    class MyDrafter(Drafter):
+    class MyProposer(Proposer):
         def update(self, tokens):          # tokens appended to the context: first the whole
             ...                            # prompt, then each round's committed tokens
         def draft(self, context, k):       # up to k guesses of the tokens after `context`
@@ -15,7 +15,7 @@ for token; sampled: the same distribution, by Leviathan et al.'s rejection rule)
                                            # draft distributions, for sampled runs
 
     args = parse_generation_args(arguments(), {"--draft-len": (6, int)})
-    generate(Model(), MyDrafter(), prompt_ids, args, draft_len=args.extra["draft_len"])
+    generate(Model(), MyProposer(), prompt_ids, args, draft_len=args.extra["draft_len"])
 
 One round of `generate` is one forward pass over the window [t0, d1..dk] (t0: the last
 committed token, d: the drafts) at the working set's frozen end with fold 0 and a readout on
@@ -41,7 +41,7 @@ from .api import ForwardPass, StateGeometry, emit
 from .speculative import verify
 
 
-class Drafter:
+class Proposer:
     """Subclass this. Both methods run inside the guest; neither touches the host."""
 
     def update(self, tokens: list) -> None:
@@ -102,8 +102,8 @@ def _split(proposal):
     return [int(t) for t in proposal], None
 
 
-def generate(model, drafter: Drafter, prompt: list, args, draft_len: int = 6, ws=None) -> list:
-    """Speculative decoding with `drafter`; emits the output as it is committed and returns it.
+def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, ws=None) -> list:
+    """Speculative decoding with `proposer`; emits the output as it is committed and returns it.
 
     args: GenerationArgs (max_tokens, temperature, top_p, seed). draft_len: most drafts per
     round (0: plain decoding). ws: a working set to continue (default: a new one, released
@@ -125,16 +125,16 @@ def generate(model, drafter: Drafter, prompt: list, args, draft_len: int = 6, ws
         if len(prompt) > 1:
             ForwardPass(ws, prompt[:-1]).execute()  # prefill, fold all; t0 = prompt[-1] opens round one
         context = list(prompt)
-        drafter.update(list(prompt))
+        proposer.update(list(prompt))
         t0 = prompt[-1]
         while len(out) < args.max_tokens:
             # drafts past the token budget could never be emitted
             k = max(0, min(int(draft_len), args.max_tokens - len(out) - 1))
-            drafts, dprobs = _split(drafter.draft(context, k)) if k else ([], None)
+            drafts, dprobs = _split(proposer.draft(context, k)) if k else ([], None)
             drafts = drafts[:k]
             if dprobs is not None:
                 if len(dprobs) < len(drafts):
-                    raise ValueError("the drafter returned fewer probability rows than drafts")
+                    raise ValueError("the proposer returned fewer probability rows than drafts")
                 dprobs = dprobs[:len(drafts)]
             window = [t0] + drafts
             fp = ForwardPass(ws, window, StateGeometry(len(window), fold=0), readout=list(range(len(window))))
@@ -165,7 +165,7 @@ def generate(model, drafter: Drafter, prompt: list, args, draft_len: int = 6, ws
             if stop:
                 break
             context += committed
-            drafter.update(committed)
+            proposer.update(committed)
             t0 = committed[-1]
     finally:
         if own:

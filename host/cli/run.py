@@ -6,29 +6,9 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-from ..errors import InvalidArgument
-from .limits import add_flags, from_args
-
-ROOT = Path(__file__).resolve().parents[2]
-BUILD = ROOT / "build" / "inferlets"
-
-
-def resolve_inferlet(name_or_path: str) -> Path:
-    """A path to a .wasm, or the name of a built inferlet under build/inferlets/."""
-    p = Path(name_or_path)
-    if p.suffix == ".wasm" or p.is_file():
-        if not p.is_file():
-            raise InvalidArgument(f"{name_or_path}: no such file")
-        return p
-    built = BUILD / f"{name_or_path}.wasm"
-    if built.is_file():
-        return built
-    if (ROOT / "inferlets" / name_or_path / "manifest.toml").is_file():
-        raise InvalidArgument(f"inferlet {name_or_path!r} is not built; run `make inferlets`")
-    known = sorted(w.stem for w in BUILD.glob("*.wasm")) if BUILD.is_dir() else []
-    raise InvalidArgument(f"unknown inferlet {name_or_path!r}; built: {', '.join(known) or 'none (run `make inferlets`)'}")
+from ..paths import resolve_inferlet
+from ..runtime.limits import add_flags, from_args
 
 
 def _add_options(p) -> None:
@@ -86,8 +66,8 @@ def cmd_run(args) -> int:
 
         return run_remote(args.server, args.api_key, args.inferlet, inferlet_args, _asked_limits(args), args.json)
 
+    from ..runtime.runtime import Runtime
     from ..store import open_engine
-    from .runtime import Runtime
 
     wasm = resolve_inferlet(args.inferlet)
     engine = open_engine(args.model, device=args.device, dtype=args.dtype)

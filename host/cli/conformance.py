@@ -28,12 +28,12 @@ def add_conformance_parser(subparsers) -> None:
 
 def main(args, out=sys.stdout, cache_dir: Path | None = None) -> int:
     from ..errors import PieError
-    from . import case as fmt
-    from .adapter import InProcessAdapter
-    from .daemon import DaemonAdapter
-    from .models import suite_model
-    from .probe import probe_wasm
-    from .runner import read_expect_fail, run_suite, select
+    from ..conformance import case as fmt
+    from ..conformance.adapter import InProcessAdapter
+    from ..conformance.daemon import DaemonAdapter
+    from ..conformance.models import suite_model
+    from ..conformance.probe import probe_wasm
+    from ..conformance.runner import read_expect_fail, run_suite, select
 
     root = args.cases or fmt.CASES
     try:
