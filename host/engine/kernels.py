@@ -6,9 +6,11 @@ the engine runs torch's operators instead and says so once.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
+import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -30,13 +32,37 @@ def _machine_tag() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
+def _build_dir(name: str) -> Path:
+    """Where torch's builder would put it, named for the Python and torch it links against."""
+    import sys
+
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}" / name
+
+
+def _clear_stale_baton(build_dir: Path) -> None:
+    """torch's builder guards a build with a `lock` file that only the builder removes: a build
+    killed mid-way (a stopped session, a timed-out CI step) leaves it, and every later build then
+    waits on it forever. Called under our own flock, which the kernel releases with its holder, so
+    a `lock` seen here belongs to no live build of ours."""
+    (build_dir / "lock").unlink(missing_ok=True)
+
+
 @functools.cache
 def _module():
     from torch.utils.cpp_extension import load
 
+    name = f"pie_kernels_{_machine_tag()}"
     try:
-        return load(f"pie_kernels_{_machine_tag()}", [str(s) for s in SOURCES], extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        build_dir = _build_dir(name)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir.parent / f"{name}.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # one build at a time across processes; freed if one dies
+            _clear_stale_baton(build_dir)
+            return load(name, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                        build_directory=os.fspath(build_dir), verbose=False)
     except Exception as e:  # no compiler, no headers: torch's operators do the same work
         log.warning("pie: the CPU kernels could not be built (%s); the engine runs torch's operators instead",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
