@@ -298,6 +298,26 @@ def test_a_working_set_past_its_quota_gets_out_of_pages_and_others_still_allocat
     assert quota.used == 0 and eng.pool.free_pages == eng.pool.num_pages
 
 
+def test_instance_quotas_count_against_their_keys_quota(tiny):
+    """Issue 41 item 9: two instances of one key, each within its share, starved another key."""
+    from host.errors import PoolExhausted
+
+    eng, _ = tiny  # 16 pages of 4 rows
+    key_a = eng.pool.quota(0.5, whose="this API key's", flag="--kv-share-per-key")
+    key_b = eng.pool.quota(0.5, whose="this API key's", flag="--kv-share-per-key")
+    a1, a2 = (eng.new_working_set(eng.pool.quota(0.5, key_a)) for _ in range(2))
+    assert not isinstance(eng.forward([Pass(a1, list(range(3, 19)), [0])])[0], PoolExhausted)  # 4 pages
+    (err,) = eng.forward([Pass(a2, list(range(3, 23)), [0])])  # 5 more: within its own 8, past the key's 8
+    assert isinstance(err, PoolExhausted) and "this API key's quota of 8 pages" in str(err)
+    assert "--kv-share-per-key" in str(err) and key_a.used == 4
+    b = eng.new_working_set(eng.pool.quota(0.5, key_b))
+    (out,) = eng.forward([Pass(b, list(range(3, 35)), [0])])  # the other key's whole share is there
+    assert not isinstance(out, PoolExhausted)
+    for s in (a1, a2, b):
+        eng.release(s)
+    assert key_a.used == key_b.used == 0 and eng.pool.free_pages == eng.pool.num_pages
+
+
 @pytest.mark.wasm
 def test_an_instance_past_its_kv_share_fails_with_out_of_pages(tiny_runtime, tiny):
     eng = tiny[0]

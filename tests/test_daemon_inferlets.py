@@ -98,6 +98,16 @@ def test_bad_components_are_refused_with_the_runtimes_message(http, runtime, tex
     assert hashlib.sha256(bad).hexdigest() not in listed
 
 
+def test_component_of_another_world_is_refused_at_upload(http, runtime, other_world_wasm):
+    """Issue 41 item 4: it was accepted (201) and every launch of it failed."""
+    wasm = other_world_wasm.read_bytes()
+    err = _error(http.post("/v1/inferlets", params={"name": "other"}, content=wasm), 400)
+    assert err["code"] == "invalid_inferlet" and "pie:other/host@0.1.0" in err["message"], err
+    assert "not built against the pie:inferlet@" in err["message"]
+    listed = {p["hash"] for p in http.get("/v1/inferlets").json()["data"]}
+    assert hashlib.sha256(wasm).hexdigest() not in listed
+
+
 def test_oversize_upload_is_413(http, served):
     err = _error(http.post("/v1/inferlets", content=b"\0asm" + bytes(UPLOAD_LIMIT)), 413)
     assert err["code"] == "payload_too_large"

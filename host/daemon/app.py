@@ -75,6 +75,6 @@ def create_app(service: Service) -> FastAPI:
     lim = service.config.limits
     app.add_middleware(BodyLimit, limit=lim.body_bytes, header_limit=lim.header_bytes, timeout=lim.body_timeout_s,
                        exempt={("POST", "/v1/inferlets")})
-    app.add_middleware(ApiKeys, keys=service.config.api_keys)
+    app.add_middleware(ApiKeys, keys=service.config.api_keys, metrics=service.config.metrics_need_key)
     app.add_middleware(RequestLog, metrics=service.metrics)
     return app

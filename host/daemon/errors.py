@@ -68,6 +68,14 @@ class TooManyRequests(APIError):
         self.headers = {"Retry-After": str(retry_after)}
 
 
+class QuotaExceeded(APIError):
+    """A key holds its most uploads: not transient, so no Retry-After (unlike TooManyRequests)."""
+
+    status = 429
+    type = "requests"
+    code = "upload_quota_exceeded"
+
+
 class ClientGone(APIError):
     """The client closed its connection while its request waited: nobody reads the answer
     (499, as nginx logs it)."""

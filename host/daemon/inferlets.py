@@ -15,15 +15,17 @@ from pathlib import Path
 
 from ..errors import PieError
 from ..runtime.runtime import Runtime
-from .errors import BadRequest, NotFound
+from .errors import BadRequest, NotFound, QuotaExceeded, TooLarge
+from .limits import ServeLimits
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 HASH = re.compile(r"[0-9a-f]{64}")
+ANYONE = "anyone"  # the one owner of a server without API keys
 
 
 @dataclass(frozen=True)
 class Inferlet:
-    name: str | None  # a built-in's name, or the name its last upload gave (None: known by hash only)
+    name: str | None  # a built-in's name, or the name its owner gave it (None: known by hash only)
     hash: str  # sha256 of the .wasm
     bytes: int
     builtin: bool
@@ -39,14 +41,23 @@ class Inferlet:
         """The name the run reports (RunResult.inferlet), as `pie run PATH` names it: the file's stem."""
         return self.name or self.hash[:12]
 
+    @property
+    def metric_label(self) -> str:
+        """Its `inferlet` label in /metrics: a built-in's name; `custom` for every upload, so the
+        open metrics name no tenant's uploads and the labels stay few."""
+        return self.name if self.builtin else "custom"
+
 
 class Inferlets:
     """Built-ins are read from `builtin_dir` at each lookup (`make inferlets` may rebuild them);
-    uploads are kept in `upload_dir` as HASH.wasm with a HASH.json naming them, so they outlive
-    the server. Compiling goes through Runtime.load: once per content, cached on disk."""
+    uploads are kept in `upload_dir` as HASH.wasm (one file per content, whoever uploaded it) and
+    owners/OWNER.json (each key's uploads and their names), so they outlive the server.
+    Compiling goes through Runtime.load: once per content, cached on disk."""
 
-    def __init__(self, runtime: Runtime, builtin_dir: Path, upload_dir: Path, max_bytes: int):
+    def __init__(self, runtime: Runtime, builtin_dir: Path, upload_dir: Path, max_bytes: int,
+                 max_count: int = ServeLimits.uploads_per_key, max_total: int = ServeLimits.upload_storage_per_key):
         self.runtime, self.builtin_dir, self.upload_dir, self.max_bytes = runtime, builtin_dir, upload_dir, max_bytes
+        self.max_count, self.max_total = max_count, max_total  # per key: stored uploads and their bytes
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # built-in -> ((mtime, size), sha256)
         self._lock = threading.Lock()
 
@@ -61,51 +72,79 @@ class Inferlets:
             out.append(Inferlet(path.stem, seen[1], st.st_size, True, path))
         return out
 
-    def _uploads(self) -> list[Inferlet]:
+    def _index_path(self, owner: str | None) -> Path:
+        return self.upload_dir / "owners" / f"{owner or ANYONE}.json"
+
+    def _index(self, owner: str | None) -> dict[str, str | None]:
+        """The owner's uploads: sha256 -> the name it gave (names are per key; bytes are shared)."""
+        try:
+            uploads = json.loads(self._index_path(owner).read_text()).get("uploads", {})
+        except (OSError, ValueError):
+            return {}
+        return {h: n for h, n in uploads.items() if HASH.fullmatch(h)}
+
+    def _uploads(self, owner: str | None) -> list[Inferlet]:
         out = []
-        for path in sorted(self.upload_dir.glob("*.wasm")) if self.upload_dir.is_dir() else []:
-            if not HASH.fullmatch(path.stem):
-                continue
-            try:
-                name = json.loads(path.with_suffix(".json").read_text()).get("name")
-            except (OSError, ValueError):
-                name = None
-            out.append(Inferlet(name, path.stem, path.stat().st_size, False, path))
+        for digest, name in sorted(self._index(owner).items()):
+            path = self.upload_dir / f"{digest}.wasm"
+            if path.is_file():
+                out.append(Inferlet(name, digest, path.stat().st_size, False, path))
         return out
 
-    def list(self) -> list[Inferlet]:
-        return self._builtins() + self._uploads()
+    def list(self, owner: str | None = None) -> list[Inferlet]:
+        """The built-ins and `owner`'s uploads (without keys, every client is one owner)."""
+        return self._builtins() + self._uploads(owner)
 
-    def resolve(self, name_or_hash: str) -> Inferlet:
-        """By hash, else by name: a built-in's first, then an upload's (the latest named so)."""
-        progs = self.list()
+    def resolve(self, name_or_hash: str, owner: str | None = None) -> Inferlet:
+        """By hash, else by name: a built-in's first, then one of `owner`'s uploads; never another key's."""
+        progs = self.list(owner)
         for p in progs:
             if p.hash == name_or_hash:
                 return p
-        named = [p for p in progs if p.name == name_or_hash]
-        if named:
-            return named[0] if named[0].builtin else max(named, key=lambda p: p.path.stat().st_mtime_ns)
-        raise NotFound(f"no inferlet {name_or_hash!r}: not a built-in's name, nor an upload's name or sha256 "
-                       "(GET /v1/inferlets lists them)", param="inferlet", code="inferlet_not_found")
+        for p in progs:
+            if p.name == name_or_hash:
+                return p
+        raise NotFound(f"no inferlet {name_or_hash!r}: not a built-in's name, nor the name or sha256 of one of "
+                       "your uploads (GET /v1/inferlets lists them)", param="inferlet", code="inferlet_not_found")
 
-    async def upload(self, wasm: bytes, name: str | None) -> tuple[Inferlet, bool]:
+    def _check_quota(self, owner: str | None, digest: str, size: int) -> None:
+        index = self._index(owner)
+        if digest in index:
+            return  # a rename or a second upload of the same bytes costs nothing more
+        if len(index) + 1 > self.max_count:
+            raise QuotaExceeded(f"this key holds {len(index)} uploads, this server's limit "
+                                "(pie serve --max-uploads-per-key)")
+        held = sum(p.bytes for p in self._uploads(owner))
+        if held + size > self.max_total:
+            raise TooLarge(f"this key's uploads would take {held + size} bytes, past this server's limit of "
+                           f"{self.max_total >> 20} MiB per key (pie serve --max-upload-storage-mb)",
+                           code="upload_quota_exceeded")
+
+    async def upload(self, wasm: bytes, name: str | None, owner: str | None = None) -> tuple[Inferlet, bool]:
         """Check and compile `wasm` (a bad component is refused with the runtime's message), then
-        keep it; (the inferlet, whether it was new). A second upload of the same bytes only renames it."""
+        keep it for `owner`; (the inferlet, whether it was new to the owner). A second upload of the
+        same bytes only renames it. Past the owner's quota, refused before compiling."""
         if name is not None and not NAME.fullmatch(name):
             raise BadRequest(f"name {name!r}: 1 to 64 letters, digits, '.', '_' or '-'", param="name")
         digest = hashlib.sha256(wasm).hexdigest()
+        self._check_quota(owner, digest, len(wasm))
         try:  # compiling takes seconds the first time: off the event loop
             await asyncio.to_thread(self.runtime.load, wasm)
         except PieError as e:
             raise BadRequest(f"{e.code}: {e}", param="file", code="invalid_inferlet") from None
         path = self.upload_dir / f"{digest}.wasm"
         with self._lock:
-            new = not path.is_file()
-            if new:
+            self._check_quota(owner, digest, len(wasm))  # another upload of this key may have finished meanwhile
+            if not path.is_file():
                 _write(path, wasm)
+            index = self._index(owner)
+            new = digest not in index
             if new or name is not None:
-                _write(path.with_suffix(".json"), json.dumps({"name": name}).encode())
-        return next(p for p in self._uploads() if p.hash == digest), new
+                if name is not None:  # a name is one upload's: another of this key's loses it
+                    index = {h: (None if n == name else n) for h, n in index.items()}
+                index[digest] = name if name is not None else index.get(digest)
+                _write(self._index_path(owner), json.dumps({"uploads": index}).encode())
+        return next(p for p in self._uploads(owner) if p.hash == digest), new
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
+from ..engine.pages import Quota
 from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult, Runtime
 from .admission import Admission
@@ -22,11 +23,24 @@ class Instances:
     """The running instances of one server. Each starts in a slot its request took from
     `admission` (Admission.acquire) and gives it back when its run has returned."""
 
-    def __init__(self, runtime: Runtime, admission: Admission, metrics: Metrics):
+    def __init__(self, runtime: Runtime, admission: Admission, metrics: Metrics, key_share: float | None = None):
         self.runtime, self.admission, self.metrics = runtime, admission, metrics
+        self.key_share = key_share  # each key's share of the KV pool (None: no per-key quota)
+        self._key_quotas: dict[str, Quota] = {}  # one per key of --api-key-file: bounded by the file
         self._lock = threading.Lock()
         self._live: set[RunHandle] = set()
         self._closed = False
+
+    def _key_quota(self, owner: str | None) -> Quota | None:
+        """The KV quota all of `owner`'s instances count against together."""
+        if owner is None or self.key_share is None:
+            return None
+        with self._lock:
+            q = self._key_quotas.get(owner)
+            if q is None:
+                q = self._key_quotas[owner] = self.runtime.engine.pool.quota(
+                    self.key_share, whose="this API key's", flag="--kv-share-per-key")
+            return q
 
     @property
     def running(self) -> int:
@@ -34,7 +48,7 @@ class Instances:
 
     def spawn(self, wasm: Path | bytes, args: list[str], *, name: str, owner: str | None, arrived: float,
               on_text: Callable[[str], None] | None, on_result: Callable[[RunResult], None],
-              limits: Limits | None = None) -> RunHandle:
+              limits: Limits | None = None, label: str | None = None) -> RunHandle:
         """Start one instance in the slot `owner` holds; `on_result` is called from a waiter
         thread once its run has returned and its slot is free. `arrived` (perf_counter) is when
         its request came, for the latency metrics. Every instance of the server, an OpenAI
@@ -48,7 +62,8 @@ class Instances:
         try:
             if self._closed:
                 raise Busy("the server is shutting down", code="shutting_down")
-            handle = self.runtime.start(wasm, args, name=name, on_text=text, limits=limits)
+            handle = self.runtime.start(wasm, args, name=name, on_text=text, limits=limits,
+                                        kv_parent=self._key_quota(owner))
         except BaseException:
             self.admission.release(owner)
             raise
@@ -63,7 +78,7 @@ class Instances:
             with self._lock:
                 self._live.discard(handle)
             self.admission.release(owner)
-            self.metrics.ended(name, result, handle.draft_stats, timing.first, time.perf_counter() - arrived)
+            self.metrics.ended(label or name, result, handle.draft_stats, timing.first, time.perf_counter() - arrived)
             on_result(result)
         threading.Thread(target=wait, name="pie-serve-wait", daemon=True).start()
         return handle
@@ -110,7 +125,7 @@ class Generation:
         self.result: RunResult | None = None  # set by the waiter thread when the run has returned
         # on_text runs on the instance's or the compute thread: it only hands the text over
         self.handle = instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner, arrived=arrived,
-                                      on_text=self._post, on_result=self._ended)
+                                      on_text=self._post, on_result=self._ended, label=inferlet.metric_label)
 
     def _post(self, item: str | RunResult) -> None:
         try:

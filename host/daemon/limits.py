@@ -41,6 +41,15 @@ class ServeLimits:
     header_bytes: int = _limit(16 << 10, "a request's line and headers; past it 431 (400 and the connection closed "
                                "while they arrive: uvicorn's h11_max_incomplete_event_size)",
                                "--max-header-kb", 1 << 10)
+    loaded_components: int = _limit(16, "compiled components held in memory (least recently used dropped; the disk "
+                                    "cache keeps 16)", "--max-loaded-components")
+    uploads_per_key: int = _limit(64, "uploads one key stores (each content once, however named); past it 429",
+                                  "--max-uploads-per-key")
+    upload_storage_per_key: int = _limit(1 << 30, "the bytes of one key's stored uploads; past it 413",
+                                         "--max-upload-storage-mb", 1 << 20)
+    kv_share_per_key: float = _limit(0.5, "the most of the KV page pool one API key's instances hold together (each "
+                                     "instance's --kv-share counts against it; only with --api-key-file); past it "
+                                     "the pass fails with out-of-pages", "--kv-share-per-key", kind=float)
     connections: int = _limit(512, "open connections and running requests (uvicorn's limit_concurrency); "
                               "past it 503", "--limit-concurrency")
 

@@ -60,11 +60,13 @@ class ApiKeys:
     """401 for /v1/ requests without a valid bearer key, before the body is read or anything runs;
     a request with one is owned by it (scope["state"]["owner"], its key_id: instances, limits)."""
 
-    def __init__(self, app, keys: list[str] | None):
-        self.app, self.keys = app, keys
+    def __init__(self, app, keys: list[str] | None, metrics: bool = False):
+        self.app, self.keys, self.metrics = app, keys, metrics  # metrics: /metrics needs a key too
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.keys is not None and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.keys is not None and (
+                path.startswith("/v1/") or self.metrics and path == "/metrics"):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             key = matching_key(self.keys, header)
             if key is not None:

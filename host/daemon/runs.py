@@ -64,7 +64,8 @@ class Run:
         self._runs = runs
         self.handle: RunHandle = runs.instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner,
                                                       arrived=arrived, on_text=self._on_text,
-                                                      on_result=self._on_result, limits=limits)
+                                                      on_result=self._on_result, limits=limits,
+                                                      label=inferlet.metric_label)
 
     # from the instance's threads: hand over to the event loop
     def _post(self, fn, *a) -> None:

@@ -35,6 +35,7 @@ class ServeConfig:
     max_queue: int = 32  # requests waiting for a slot; past them 429
     max_instances_per_key: int | None = None  # running and waiting, per API key; None: no limit
     api_keys: list[str] | None = None  # None: no authentication
+    metrics_need_key: bool = False  # /metrics asks for a key (with api_keys) instead of being open
     builtin_dir: Path = BUILD  # the built inferlets the inferlet API lists and launches by name
     upload_dir: Path | None = None  # None: $PIE_HOME/inferlets
     max_upload_bytes: int = ServeLimits.upload_bytes
@@ -50,9 +51,12 @@ class Service:
         self.metrics = Metrics(self.model)
         self.admission = Admission(config.max_instances, config.max_queue, config.max_instances_per_key)
         self.metrics.watch(lambda: self.admission.running, lambda: self.admission.waiting)
-        self.instances = Instances(runtime, self.admission, self.metrics)
+        self.instances = Instances(runtime, self.admission, self.metrics,
+                                   config.limits.kv_share_per_key if config.api_keys else None)
         self.inferlets = Inferlets(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",
-                                 config.max_upload_bytes)
+                                   config.max_upload_bytes, config.limits.uploads_per_key,
+                                   config.limits.upload_storage_per_key)
+        runtime.cache.max_loaded = config.limits.loaded_components
         self.runs = Runs(self.instances)
         wasm = config.inferlet.read_bytes()
         self.default_inferlet = Inferlet(config.inferlet.stem, hashlib.sha256(wasm).hexdigest(), len(wasm), True,
@@ -69,16 +73,16 @@ class Service:
         await self.admission.acquire(owner, lambda: client_gone(request))
         return owner, arrived
 
-    def completion_inferlet(self, name: str | None) -> Inferlet:
+    def completion_inferlet(self, name: str | None, owner: str | None = None) -> Inferlet:
         """The inferlet a completion names (a built-in's or an upload's name, or a sha256), else the default."""
         if name is None:
             return self.default_inferlet
         try:
-            return self.inferlets.resolve(name)
+            return self.inferlets.resolve(name, owner)
         except NotFound as e:  # a bad field of the request, as OpenAI reports one
             raise BadRequest(e.message, param="inferlet", code="inferlet_not_found") from None
 
-    async def constrained_inferlet(self, name: str | None, schema: str) -> Inferlet:
+    async def constrained_inferlet(self, name: str | None, schema: str, owner: str | None = None) -> Inferlet:
         """The inferlet that serves a response_format: constrained-speculative-decoding (or the one
         the request names). The schema is compiled here (off the event loop: it may take a while),
         so a bad one is a 400 before any work."""
@@ -90,7 +94,7 @@ class Service:
             await asyncio.to_thread(grammars_for(self.engine).compile, "json-schema", schema)
         except GrammarError as e:
             raise BadRequest(f"response_format: {e}", param="response_format") from None
-        return self.completion_inferlet(name or CONSTRAINED)
+        return self.completion_inferlet(name or CONSTRAINED, owner)
 
     def check_model(self, name: str) -> None:
         if name != self.model:
@@ -132,9 +136,9 @@ class Service:
         self.check_prompt_bytes(utf8_len(prompt, "prompt"), "prompt")
         schema = req.json_schema_text()
         if schema is None:
-            inferlet = self.completion_inferlet(req.inferlet)
+            inferlet = self.completion_inferlet(req.inferlet, owner_of(request))
         else:
-            inferlet = await self.constrained_inferlet(req.inferlet, schema)
+            inferlet = await self.constrained_inferlet(req.inferlet, schema, owner_of(request))
         extra += [] if schema is None else ["--json-schema", schema]
         # the same encoding as the inferlet's (the bindings' encode): the prompt's token count; a
         # long prompt takes seconds, so off the event loop
@@ -155,7 +159,7 @@ class Service:
                 "--top-p", repr(top_p), "--seed", str(seed), *extra]
         owner, arrived = await self.admit(request)
         gen = Generation(self.instances, inferlet, args, n_prompt, stops, owner, arrived)  # a failed start frees its slot
-        self.metrics.started(inferlet.run_name, n_prompt)
+        self.metrics.started(inferlet.metric_label, n_prompt)
         return gen
 
 

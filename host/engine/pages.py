@@ -14,11 +14,22 @@ from ..errors import PoolExhausted
 class Quota:
     """A share of the pool: the working sets that carry it (one instance's) may hold at most
     `limit` pages at once, so one instance cannot starve the others. A page counts against
-    the quota of the set that allocated it until it is freed; sharing it (a fork) is free."""
+    the quota of the set that allocated it until it is freed; sharing it (a fork) is free.
+    Quotas nest: a page counts against its quota and every `parent` above it (an instance's
+    quota inside its API key's), and an allocation must fit all of them."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, parent: "Quota | None" = None, whose: str = "this instance's",
+                 flag: str = "--kv-share"):
         self.limit = limit
         self.used = 0
+        self.parent = parent
+        self.whose, self.flag = whose, flag  # named when it is exhausted
+
+    def chain(self):
+        q = self
+        while q is not None:
+            yield q
+            q = q.parent
 
 
 class PagePool:
@@ -41,16 +52,17 @@ class PagePool:
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
-    def quota(self, share: float) -> Quota:
-        """A quota of `share` of the pool's pages (at least one)."""
-        return Quota(max(1, int(self.num_pages * share)))
+    def quota(self, share: float, parent: Quota | None = None, **named) -> Quota:
+        """A quota of `share` of the pool's pages (at least one), counted against `parent` too."""
+        return Quota(max(1, int(self.num_pages * share)), parent, **named)
 
     def alloc(self, n: int, quota: Quota | None = None) -> list[int]:
-        if quota is not None and quota.used + n > quota.limit:
-            raise PoolExhausted(
-                f"KV page quota exhausted: need {n} more pages of {self.page_size} rows, {quota.used} of this "
-                f"instance's quota of {quota.limit} pages (of {self.num_pages} in the pool) are in use; release "
-                f"working sets or raise the quota (--kv-share)")
+        for q in quota.chain() if quota is not None else ():
+            if q.used + n > q.limit:
+                raise PoolExhausted(
+                    f"KV page quota exhausted: need {n} more pages of {self.page_size} rows, {q.used} of {q.whose} "
+                    f"quota of {q.limit} pages (of {self.num_pages} in the pool) are in use; release "
+                    f"working sets or raise the quota ({q.flag})")
         if n > len(self._free):
             raise PoolExhausted(
                 f"KV pool exhausted: need {n} more pages of {self.page_size} rows, {len(self._free)} free "
@@ -60,8 +72,8 @@ class PagePool:
         for p in pages:
             self._refs[p] = 1
             self._quota[p] = quota
-        if quota is not None:
-            quota.used += n
+        for q in quota.chain() if quota is not None else ():
+            q.used += n
         return pages
 
     def retain(self, pages: list[int]) -> None:
@@ -73,8 +85,8 @@ class PagePool:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 heapq.heappush(self._free, p)
-                q, self._quota[p] = self._quota[p], None
-                if q is not None:
+                quota, self._quota[p] = self._quota[p], None
+                for q in quota.chain() if quota is not None else ():
                     q.used -= 1
 
     def refcount(self, page: int) -> int:

@@ -10,6 +10,7 @@ import hashlib
 import importlib.metadata
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 import wasmtime
@@ -20,6 +21,7 @@ from .errors import InferletError
 
 _WASM_MAGIC = b"\0asm"
 KEEP = 16  # artifacts kept in the cache folder
+MAX_LOADED = 16  # compiled components kept in memory (pie serve --max-loaded-components)
 
 
 def _wasmtime_version() -> str:
@@ -39,38 +41,50 @@ def check_header(wasm: bytes) -> None:
 
 
 class ComponentCache:
-    def __init__(self, engine: wasmtime.Engine, directory: Path | None = None):
+    """The disk cache (every checked component, the newest KEEP) and, in memory, the `max_loaded`
+    most recently used compiled components (each holds tens of MB). Not thread-safe: Runtime.load
+    calls get/put under its lock and compile outside it."""
+
+    def __init__(self, engine: wasmtime.Engine, directory: Path | None = None, max_loaded: int = MAX_LOADED):
         self.engine = engine
         self.dir = Path(directory) if directory else pie_home() / "cache" / "components"
-        self._loaded: dict[str, Component] = {}  # this process's compiled components
+        self.max_loaded = max_loaded
+        self._loaded: OrderedDict[str, Component] = OrderedDict()  # LRU: the most recent last
 
     def key(self, wasm: bytes) -> str:
         h = hashlib.sha256(wasm)
         h.update(b"\0wasmtime-" + _wasmtime_version().encode())
         return h.hexdigest()
 
-    def load(self, wasm: bytes) -> tuple[Component, str]:
-        """The compiled component and its key; compiles and stores it on first sight."""
-        check_header(wasm)
-        key = self.key(wasm)
-        if key in self._loaded:
-            return self._loaded[key], key
+    def get(self, key: str) -> Component | None:
+        component = self._loaded.get(key)
+        if component is not None:
+            self._loaded.move_to_end(key)
+        return component
+
+    def put(self, key: str, component: Component) -> None:
+        self._loaded[key] = component
+        self._loaded.move_to_end(key)
+        while len(self._loaded) > self.max_loaded:
+            self._loaded.popitem(last=False)  # the disk cache still has it: milliseconds to bring back
+
+    def compile(self, wasm: bytes, key: str) -> tuple[Component, bool]:
+        """The component from the disk cache, else compiled; (it, whether it was compiled). Nothing
+        is kept: the caller checks it first, then `store`s and `put`s it."""
         path = self.dir / f"{key}.cwasm"
-        component = None
         if path.is_file():
             try:
-                component = Component.deserialize_file(self.engine, str(path))
+                return Component.deserialize_file(self.engine, str(path)), False
             except wasmtime.WasmtimeError:
                 path.unlink(missing_ok=True)  # stale or corrupt: recompile below
-        if component is None:
-            try:
-                component = Component(self.engine, wasm)
-            except wasmtime.WasmtimeError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else "invalid component"
-                raise InferletError(f"the .wasm is not a valid component (truncated or corrupt?): {first}") from None
-            self._store(path, component)
-        self._loaded[key] = component
-        return component, key
+        try:
+            return Component(self.engine, wasm), True
+        except wasmtime.WasmtimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "invalid component"
+            raise InferletError(f"the .wasm is not a valid component (truncated or corrupt?): {first}") from None
+
+    def store(self, key: str, component: Component) -> None:
+        self._store(self.dir / f"{key}.cwasm", component)
 
     def _store(self, path: Path, component: Component) -> None:
         try:

@@ -224,22 +224,17 @@ def _of(v) -> object:
 
 
 def check(component, engine) -> None:
-    """Raise InferletError naming the first pie:inferlet import whose type differs from the WIT's."""
+    """Raise InferletError naming the first import that is neither WASI nor pie:inferlet, or the first
+    pie:inferlet import whose type differs from the WIT's, or a missing `run` export."""
     want = declared()
     prefix = PACKAGE + "/"
-    for name, ext in component.type.imports(engine).items():
+    ctype = component.type
+    found = ctype.imports(engine)
+    check_names(found)
+    for name, ext in found.items():
         if not name.startswith(prefix):
-            continue  # WASI and the rest: the linker refuses what it lacks
-        iface, _, version = name[len(prefix):].partition("@")
-        if not version:
-            raise InferletError(f"the component imports {name} without a version; this host implements "
-                                f"{PACKAGE}@{VERSION}")
-        why = incompatibility(version, VERSION)
-        if why is not None:
-            raise InferletError(f"the component was built against {PACKAGE}@{version}, which this host's "
-                                f"{PACKAGE}@{VERSION} cannot run: {why} (wit/VERSIONING.md)")
-        if iface not in want:
-            raise InferletError(f"the component imports {name}, which {PACKAGE}@{VERSION} does not declare")
+            continue  # WASI
+        iface = name[len(prefix):].partition("@")[0]
         inst = ext.ty
         if not isinstance(inst, ComponentInstanceType):
             raise InferletError(f"the component imports {name} as something other than an interface")
@@ -255,6 +250,9 @@ def check(component, engine) -> None:
             if got != decl:
                 raise InferletError(f"the component imports {iface}.{fname} with another type than "
                                     f"{PACKAGE}@{VERSION} declares: {_show_func(got)} instead of {_show_func(decl)}")
+    if "run" not in ctype.exports(engine):
+        raise InferletError(f"the component exports no `run` function: it was not built against the "
+                            f"{PACKAGE}@{VERSION} world")
 
 
 def _show_func(f) -> str:
@@ -275,3 +273,25 @@ def _show(t) -> str:
     if kind == "tuple":
         return f"tuple<{', '.join(map(_show, t[1]))}>"
     return kind  # a record, variant or enum: its name is not part of the type
+
+
+def check_names(names) -> None:
+    """The part of `check` that needs only the import names: another world, another version."""
+    prefix = PACKAGE + "/"
+    want = declared()
+    for name in names:
+        if name.startswith("wasi:"):
+            continue  # the linker adds WASI 0.2 and refuses what it lacks
+        if not name.startswith(prefix):  # another world: refused here, not at every launch
+            raise InferletError(f"the component was not built against the {PACKAGE}@{VERSION} world: it imports "
+                                f"{name}, which this host does not provide")
+        iface, _, version = name[len(prefix):].partition("@")
+        if not version:
+            raise InferletError(f"the component imports {name} without a version; this host implements "
+                                f"{PACKAGE}@{VERSION}")
+        why = incompatibility(version, VERSION)
+        if why is not None:
+            raise InferletError(f"the component was built against {PACKAGE}@{version}, which this host's "
+                                f"{PACKAGE}@{VERSION} cannot run: {why} (wit/VERSIONING.md)")
+        if iface not in want:
+            raise InferletError(f"the component imports {name}, which {PACKAGE}@{VERSION} does not declare")

@@ -23,12 +23,14 @@ from wasmtime.component import Linker
 
 from ..engine import Engine
 from ..engine.loop import LoopStats
+from ..engine.pages import Quota
 from ..engine.scheduler import Scheduler
 from ..errors import PieError
 from . import imports
+from .component_binary import import_names
 from .imports import PACKAGE as WIT_PACKAGE, VERSION as WIT_VERSION
 from .bindings import InstanceHost
-from .cache import ComponentCache
+from .cache import MAX_LOADED, ComponentCache, check_header
 from .errors import GuestError, InferletError
 from .limits import Limits, flag
 
@@ -76,17 +78,25 @@ class RunHandle:
         return self._result
 
 
+class _Pending:
+    """A compile in progress; loads of the same bytes wait for it and share its outcome."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error: str | None = None  # why it was refused
+
+
 class Runtime:
     def __init__(self, engine: Engine, *, limits: Limits | None = None, cache_dir: str | Path | None = None,
-                 scheduler: Scheduler | None = None, epoch_tick_s: float = 0.01):
+                 scheduler: Scheduler | None = None, epoch_tick_s: float = 0.01, max_loaded: int = MAX_LOADED):
         self.engine = engine
         self.limits = limits or Limits()
         cfg = wasmtime.Config()
         cfg.epoch_interruption = True
         self.wasm_engine = wasmtime.Engine(cfg)
-        self.cache = ComponentCache(self.wasm_engine, Path(cache_dir) if cache_dir else None)
+        self.cache = ComponentCache(self.wasm_engine, Path(cache_dir) if cache_dir else None, max_loaded)
         self._cache_lock = threading.Lock()
-        self._checked: set[str] = set()  # components whose imports match wit/inferlet.wit
+        self._compiling: dict[str, _Pending] = {}  # cache key -> the load compiling it (one compile per content)
         self._own_scheduler = scheduler is None
         self.scheduler = scheduler or Scheduler(engine)
         self.epoch_tick_s = epoch_tick_s
@@ -141,21 +151,52 @@ class Runtime:
                 wasm = Path(wasm).read_bytes()
             except OSError as e:
                 raise InferletError(f"cannot read {wasm}: {e.strerror}") from None
-        with self._cache_lock:
-            component, key = self.cache.load(bytes(wasm))
-            if key not in self._checked:  # refused before it runs, naming the function
-                imports.check(component, self.wasm_engine)
-                self._checked.add(key)
-            return component
+        wasm = bytes(wasm)
+        check_header(wasm)
+        key = self.cache.key(wasm)
+        while True:
+            with self._cache_lock:  # held only to look up and to keep: never while compiling
+                component = self.cache.get(key)
+                if component is not None:
+                    return component
+                pending = self._compiling.get(key)
+                mine = pending is None
+                if mine:
+                    pending = self._compiling[key] = _Pending()
+            if not mine:  # the same bytes are compiling on another thread: wait for that compile
+                pending.done.wait()
+                if pending.error is not None:
+                    raise InferletError(pending.error)
+                continue
+            try:
+                names = import_names(wasm)
+                if names is not None:  # another world or version: refused before seconds of compiling
+                    imports.check_names(names)
+                component, compiled = self.cache.compile(wasm, key)
+                imports.check(component, self.wasm_engine)  # refused before it runs or is kept
+                if compiled:
+                    self.cache.store(key, component)
+                with self._cache_lock:
+                    self.cache.put(key, component)
+                return component
+            except InferletError as e:
+                pending.error = str(e)  # not `e`: its traceback would hold the refused component
+                raise
+            finally:
+                with self._cache_lock:
+                    self._compiling.pop(key, None)
+                pending.done.set()
 
     # ---- running ----------------------------------------------------------------------
     def start(self, wasm: bytes | str | Path, args: list[str] = (), *, name: str | None = None,
-              on_text: Callable[[str], None] | None = None, limits: Limits | None = None) -> RunHandle:
-        """Run an inferlet in its own thread; load errors also arrive as a failed RunResult."""
+              on_text: Callable[[str], None] | None = None, limits: Limits | None = None,
+              kv_parent: Quota | None = None) -> RunHandle:
+        """Run an inferlet in its own thread; load errors also arrive as a failed RunResult.
+        kv_parent: a quota the instance's own KV quota counts against too (pie serve: its key's)."""
         name = name or (Path(wasm).stem if isinstance(wasm, (str, Path)) else "inferlet")
         limits = limits or self.limits
         host = InstanceHost(self.engine, self.scheduler, list(args), limits.cpu_time_s, self.epoch_tick_s, on_text,
-                            kv_quota=self.engine.pool.quota(limits.kv_share), limits=limits)
+                            kv_quota=self.engine.pool.quota(limits.kv_share, kv_parent), limits=limits)
         handle = RunHandle()
         handle._cancel = host.cancel
         handle.draft_stats = host.draft_stats
