@@ -169,11 +169,24 @@ def finished(handle):
 
 
 @pytest.mark.wasm
-def test_a_device_loop_is_charged_to_the_cpu_time_budget(tiny_runtime, tiny):
-    r = finished(misbehave(tiny_runtime, "endless-loop", cpu_time_s=2.0))  # ran forever before
-    assert not r.ok and "CPU-time limit of 2 s" in r.error, r.error
+def test_a_device_loop_is_charged_to_the_compute_time_budget(tiny_runtime, tiny):
+    r = finished(misbehave(tiny_runtime, "endless-loop", compute_time_s=2.0))  # ran forever before
+    assert not r.ok and "compute-time limit of 2 s (--compute-time)" in r.error, r.error
     assert r.stats["passes"] > 1, r.stats
     assert tiny[0].pool.free_pages == tiny[0].pool.num_pages
+
+
+def test_loop_rounds_are_not_charged_to_the_cpu_time_budget(tiny):
+    """Issue 40: a long generation is model time; charged to the guest's 60 s of CPU time, every
+    request past a minute of decoding was killed as a runaway guest."""
+    from host.runtime.bindings.core import Instance
+    from host.runtime.errors import Cancelled
+
+    host = Instance(tiny[0], None, [], cpu_time_s=1.0, epoch_tick_s=0.01, limits=Limits(compute_time_s=5.0))
+    host.count_round(None, 1, 1, cost_s=3.0)  # past the CPU-time budget, within the compute-time one
+    assert host.fatal is None and host.passes == 1
+    with pytest.raises(Cancelled, match=r"compute-time limit of 5 s \(--compute-time\)"):
+        host.count_round(None, 1, 1, cost_s=3.0)
 
 
 @pytest.mark.wasm

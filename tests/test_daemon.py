@@ -119,6 +119,10 @@ def _requests(m: dict, endpoint: str, status: int) -> float:
 def test_models(client, served):
     ids = [m.id for m in client.models.list().data]
     assert ids == [served.service.model] == ["smollm2-135m"]
+    assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"  # issue 40: was 404
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.code == "model_not_found"
 
 
 def test_chat_greedy_equals_pie_run(client, reference, engine):
@@ -221,6 +225,31 @@ def test_n_above_one_is_refused(client, http):
     assert e.value.status_code == 400 and e.value.param == "n"
     err = _error(http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "n": 2}), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == "n"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"42": 5}),
+    ("top_k", 40), ("min_p", 0.1), ("best_of", 2), ("logprobs", True), ("top_logprobs", 3), ("echo", True),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
+])
+def test_fields_not_honoured_are_refused_not_ignored(http, field, value):
+    """Issue 40: each was answered 200 as if it had not been sent."""
+    route, body = ("/v1/completions", {"prompt": "Hi"}) if field in ("echo", "best_of") else \
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+    err = _error(http.post(route, json={"model": "smollm2-135m", "max_tokens": 1, field: value, **body}), 400)
+    assert err["param"] == field and err["code"] == "unsupported_value" and "not supported" in err["message"]
+
+
+def test_neutral_values_of_fields_not_honoured_are_served(http):
+    """What clients send by default (the openai client's, LangChain's) asks for nothing: served."""
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
+               "top_k": -1, "min_p": 0, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none"}
+    resp = http.post("/v1/chat/completions", json={"model": "smollm2-135m", "max_tokens": 1, **neutral,
+                                                   "messages": [{"role": "user", "content": "Hi"}]})
+    assert resp.status_code == 200, resp.text
+    resp = http.post("/v1/completions", json={"model": "smollm2-135m", "max_tokens": 1, "prompt": "Hi", "echo": False,
+                                              "best_of": 1, "suffix": None, "user": "someone"})
+    assert resp.status_code == 200, resp.text
 
 
 def test_bad_api_key(served, http):

@@ -156,7 +156,7 @@ def test_window_with_a_token_outside_the_vocabulary_fails_that_loop_only(tiny, m
 
 
 def test_batched_loops_share_the_step_time_they_are_charged(tiny):
-    """Each round is charged its rows' share of the batched step (the CPU-time budget's clock):
+    """Each round is charged its rows' share of the batched step (the compute-time budget's clock):
     loops running together are charged, in all, no more than the time they ran, not each the whole step."""
     import time
 

@@ -59,8 +59,8 @@ def greedy_runs(runtime, text_completion_wasm, cacheback_wasm, ngram_proposer_wa
     runs = {name: [] for name in wasm}
     for start in range(0, len(prompts), WAVE):
         wave = prompts[start:start + WAVE]
-        # two sub-waves of 16 instances: each loop's CPU-time budget is charged the whole batched
-        # step, so 32 at once ran text-completion past its 60 s on 2 cores
+        # two sub-waves of 16 instances: fewer loops batched together keep each instance's wall
+        # time short on 2 cores
         for names in (("text-completion", "cacheback"), ("mtp", "hybrid")):
             handles = {name: [runtime.start(wasm[name], _args(p, N, *extra.get(name, ()))) for p in wave]
                        for name in names}

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+"""The OpenAI-compatible endpoints: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .errors import APIError, ClientGone
+from .errors import APIError, ClientGone, NotFound
 from .instances import Generation
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, client_gone
@@ -21,12 +21,23 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
+def _card(svc: Service) -> dict:
+    return {"id": svc.model, "object": "model", "created": 0, "owned_by": "pie", "root": svc.model,
+            "max_model_len": svc.engine.info.context_len}
+
+
 @router.get("/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_card(_service(request))]}
+
+
+@router.get("/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict:
     svc = _service(request)
-    card = {"id": svc.model, "object": "model", "created": 0, "owned_by": "pie", "root": svc.model,
-            "max_model_len": svc.engine.info.context_len}
-    return {"object": "list", "data": [card]}
+    if model_id != svc.model:
+        raise NotFound(f"the model {model_id!r} does not exist; this server serves {svc.model!r}",
+                       param="model", code="model_not_found")
+    return _card(svc)
 
 
 @router.post("/completions")

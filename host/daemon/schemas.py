@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic). Fields this server does not
-know are ignored, as OpenAI-compatible servers do; fields it knows but cannot honour yet
-(`n` other than 1) are refused by `check_supported`. A `response_format` of `json_object` or
+know are ignored, as OpenAI-compatible servers do; fields of OpenAI's API (and vLLM's sampling
+extensions) it cannot honour yet are refused by `check_supported` when they ask for anything but
+their neutral value (`NOT_HONOURED`; `n` other than 1): a request is never served as if they
+had not been sent. A `response_format` of `json_object` or
 `json_schema` is served by the constrained-speculative-decoding inferlet (`json_schema_text`).
 `inferlet` and `inferlet_args` are this server's extensions (the openai client sends them in
 `extra_body`)."""
@@ -28,6 +30,15 @@ def utf8_len(text: str, param: str) -> int:
         raise BadRequest(f"{param}: not valid Unicode text ({e.reason} at character {e.start})", param=param) from None
 
 
+# field -> the values that ask for nothing (clients send them by default); any other value is 400
+NOT_HONOURED: dict[str, tuple] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "top_k": (0, -1), "min_p": (0,), "best_of": (1,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
+    "echo": (False,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"),
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -35,7 +46,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """What both completions endpoints take. A null is the field's default, as in OpenAI's API."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept to check NOT_HONOURED; the rest is ignored
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -77,6 +88,13 @@ class SamplingRequest(BaseModel):
         return [s for s in stops if s]
 
     def check_supported(self) -> None:
+        extra = self.model_extra or {}
+        for name, neutral in NOT_HONOURED.items():
+            value = extra.get(name)
+            if value is not None and not any(type(value) is not bool and value == v or value is v for v in neutral):
+                raise BadRequest(f"{name}={_short(value)} is not supported by this server yet; leave it out (or send "
+                                 f"{_short(neutral[0])}) rather than have it ignored", param=name,
+                                 code="unsupported_value")
         if self.n not in (None, 1):
             raise BadRequest(f"n={self.n} is not supported: this server returns one choice per request (n=1)",
                              param="n", code="unsupported_value")
@@ -104,6 +122,11 @@ class SamplingRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class CompletionRequest(SamplingRequest):

@@ -70,7 +70,7 @@ class Instance(Output):
         self.draft_stats = LoopStats()
         self.loops: list[DeviceLoop] = []
         self.guest_time_s = 0.0
-        self.loop_time_s = 0.0  # running time of the device loops, charged to the CPU-time budget
+        self.loop_time_s = 0.0  # model time of the device loops, charged to the compute-time budget
         self._last_exit = 0.0  # the guest's thread clock, set on its thread (watch_epochs)
         self._epoch_key = None
 
@@ -134,14 +134,17 @@ class Instance(Output):
             raise BudgetExceeded(f"{len(rows)} readout rows in one pass, more than its limit of "
                                  f"{self.limits.readout_rows} ({flag('readout_rows')})")
 
-    # ---- time: the CPU-time budget and cancellation -----------------------------------------
-    def cpu_used(self) -> float:
-        return self.guest_time_s + self.loop_time_s
-
+    # ---- time: the CPU-time and compute-time budgets, and cancellation ------------------------
+    # Two budgets, since they bound different things: CPU time a guest that spins (its own code),
+    # compute time a loop that never ends (the model's work). A long generation is all model time:
+    # charged to the guest's CPU time, it was killed as a runaway guest.
     def _over_cpu(self) -> bool:
-        """Past the CPU-time budget: the instance is marked to end (fatal)."""
-        if self.fatal is None and self.cpu_used() >= self.cpu_time_s:
+        """Past a time budget, or cancelled: the instance is marked to end (fatal)."""
+        if self.fatal is None and self.guest_time_s >= self.cpu_time_s:
             self.fatal = f"the inferlet exceeded its CPU-time limit of {self.cpu_time_s:g} s and was stopped"
+        if self.fatal is None and self.loop_time_s >= self.limits.compute_time_s:
+            self.fatal = (f"the inferlet exceeded its compute-time limit of {self.limits.compute_time_s:g} s "
+                          f"({flag('compute_time_s')}) and was stopped")
         return self.fatal is not None
 
     def cancel(self, reason: str) -> None:
@@ -174,12 +177,12 @@ class Instance(Output):
     def _ticks_left(self) -> int:
         if self.fatal is not None:
             return 0
-        left = math.ceil((self.cpu_time_s - self.cpu_used()) / self.epoch_tick_s)
+        left = math.ceil((self.cpu_time_s - self.guest_time_s) / self.epoch_tick_s)
         return max(0, min(EPOCH_SLICE, left))
 
     def count_round(self, loop: DeviceLoop, window: int, fold: int, cost_s: float) -> None:
         """After each round of a loop, on the compute thread: the round's share of its step is
-        charged to the CPU-time budget; past it, or cancelled, the loop ends."""
+        charged to the compute-time budget; past it, or cancelled, the loop ends."""
         self.passes += 1
         self.loop_time_s += cost_s
         if self._over_cpu():
@@ -202,7 +205,7 @@ class Instance(Output):
             self.guest_time_s += enter - self._last_exit
             self.guest_calls += 1
             try:
-                if self._over_cpu():  # cancelled, or past its CPU time (its loops charge it)
+                if self._over_cpu():  # cancelled, or past a time budget
                     raise wasmtime.WasmtimeError(self.fatal)
                 value = fn(*args)
                 return Variant("ok", value) if tagged else value
@@ -223,7 +226,7 @@ class Instance(Output):
                 raise wasmtime.WasmtimeError(self.fatal) from None
             finally:
                 self._last_exit = _guest_clock()
-                # the CPU-time budget counts guest execution (and loops), not time blocked in the host
+                # the CPU-time budget counts guest execution, not time blocked in the host
                 wasmtime_internals.set_epoch_deadline(store, self._ticks_left())
 
         return self._link.add(name, host)
