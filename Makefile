@@ -37,7 +37,7 @@ lint: setup
 	.venv/bin/ruff check --no-cache .
 
 test: lint model inferlets
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 demo: model inferlets
 	$(PY) -m host.demo --prompt "$(PROMPT)"

@@ -294,8 +294,79 @@ def test_headers_past_their_size_are_refused(served, http):
 def test_uvicorn_gets_the_limits(served):
     config = served.daemon.server.config
     assert config.timeout_keep_alive == LIMITS.keep_alive_s
-    assert config.limit_concurrency == LIMITS.connections
+    assert config.limit_concurrency is None  # it counts connections as requests: RunningLimit instead
     assert config.h11_max_incomplete_event_size == LIMITS.header_bytes
+
+
+class _Transport:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+    def get_extra_info(self, key, default=None):
+        return ("127.0.0.1", 1) if key in ("peername", "sockname") else default
+
+    def set_write_buffer_limits(self, *a, **k):
+        pass
+
+
+def test_a_connection_past_the_open_bound_is_closed_at_once():
+    """2,000 slow connections took every place of uvicorn's limit_concurrency: /health answered
+    503 for the 10 s until their header timeout. Connections are bounded apart from requests."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from host.daemon.server import _h11_with_header_timeout
+
+    async def main():
+        config = uvicorn.Config(lambda *a: None, lifespan="off")
+        config.load()
+        state, protocol = ServerState(), _h11_with_header_timeout(100.0, 2)
+        transports = [_Transport() for _ in range(3)]
+        conns = [protocol(config=config, server_state=state, app_state={}) for _ in transports]
+        for c, t in zip(conns, transports):
+            c.connection_made(t)
+        assert [t.closed for t in transports] == [False, False, True]  # the third at once, not at 100 s
+        for c in conns:
+            c.connection_lost(None)
+        assert not state.connections
+    asyncio.run(main())
+
+
+def test_requests_past_the_running_bound_are_503_and_health_still_answers():
+    import asyncio
+
+    from host.daemon.middleware import RunningLimit
+
+    async def main():
+        release = asyncio.Event()
+
+        async def app(scope, receive, send):
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        limit = RunningLimit(app, limit=1)
+        sent = {}
+
+        def sender(name):
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    sent[name] = (message["status"], dict(message["headers"]))
+            return send
+        first = asyncio.create_task(limit({"type": "http", "path": "/v1/completions"}, None, sender("first")))
+        await asyncio.sleep(0)
+        await limit({"type": "http", "path": "/v1/completions"}, None, sender("second"))
+        assert sent["second"][0] == 503 and sent["second"][1][b"retry-after"] == b"1"
+        health = asyncio.create_task(limit({"type": "http", "path": "/health"}, None, sender("health")))
+        release.set()
+        await asyncio.gather(first, health)
+        assert sent["first"][0] == sent["health"][0] == 200 and limit.running == 0
+    asyncio.run(main())
 
 
 def test_security_md_lists_the_daemon_limits():

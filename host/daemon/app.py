@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 
 from . import inferlet_routes, openai_routes
 from .errors import APIError, BadRequest, NotFound
-from .middleware import ApiKeys, BodyLimit, RequestLog
+from .middleware import ApiKeys, BodyLimit, RequestLog, RunningLimit
 from .service import Service
 
 log = logging.getLogger("pie.serve")
@@ -76,5 +76,6 @@ def create_app(service: Service) -> FastAPI:
     app.add_middleware(BodyLimit, limit=lim.body_bytes, header_limit=lim.header_bytes, timeout=lim.body_timeout_s,
                        exempt={("POST", "/v1/inferlets")})
     app.add_middleware(ApiKeys, keys=service.config.api_keys, metrics=service.config.metrics_need_key)
+    app.add_middleware(RunningLimit, limit=lim.requests)
     app.add_middleware(RequestLog, metrics=service.metrics)
     return app

@@ -50,8 +50,11 @@ class ServeLimits:
     kv_share_per_key: float = _limit(0.5, "the most of the KV page pool one API key's instances hold together (each "
                                      "instance's --kv-share counts against it; only with --api-key-file); past it "
                                      "the pass fails with out-of-pages", "--kv-share-per-key", kind=float)
-    connections: int = _limit(512, "open connections and running requests (uvicorn's limit_concurrency); "
-                              "past it 503", "--limit-concurrency")
+    requests: int = _limit(512, "requests being answered at once, streams included (not /health, /metrics); past "
+                           "it 503 with Retry-After", "--limit-concurrency")
+    connections: int = _limit(4096, "open connections, idle and half-sent ones included (each holds a file "
+                              "descriptor until the header timeout); past it a new one is closed at once",
+                              "--max-connections")
 
     def __post_init__(self):
         for f in fields(self):

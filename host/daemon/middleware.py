@@ -1,5 +1,6 @@
 """Plain ASGI middleware (no BaseHTTPMiddleware: it would buffer streams and hide disconnects):
-the request log and counts, the API-key check that runs before a body is read, and the body cap."""
+the request log and counts, the running-requests limit, the API-key check that runs before a body
+is read, and the body cap."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import time
 
 from .auth import key_id, matching_key
-from .errors import APIError, ClientGone, HeadersTooLarge, RequestTimeout, TooLarge, Unauthorized
+from .errors import APIError, Busy, ClientGone, HeadersTooLarge, RequestTimeout, TooLarge, Unauthorized
 from .metrics import Metrics
 
 log = logging.getLogger("pie.serve")
@@ -54,6 +55,31 @@ class RequestLog:
             client = scope.get("client") or ("-", 0)
             log.info("%s %s %s %d %.1f ms", client[0], scope["method"], path, status,
                      (time.perf_counter() - t0) * 1e3)
+
+
+class RunningLimit:
+    """503 with Retry-After past `limit` requests being answered at once. It counts requests, not
+    connections (uvicorn's limit_concurrency counts both): half-sent and idle connections, which
+    the header timeout ends, never take the places of requests, and /health and /metrics, which
+    cost nothing, are answered whatever runs."""
+
+    EXEMPT = ("/health", "/metrics")
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.running = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.EXEMPT:
+            return await self.app(scope, receive, send)
+        if self.running >= self.limit:
+            err = Busy(f"this server is answering {self.running} requests, its limit (pie serve --limit-concurrency)",
+                       code="server_busy")
+            return await send_error(send, err, [(b"retry-after", b"1")])
+        self.running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.running -= 1
 
 
 class ApiKeys:

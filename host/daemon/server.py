@@ -16,16 +16,21 @@ from .service import Service
 log = logging.getLogger("pie.serve")
 
 
-def _h11_with_header_timeout(timeout: float) -> type:
-    """uvicorn's h11 protocol with what uvicorn lacks: a deadline for a request's headers. A
-    connection that sends none, or dribbles them (slowloris), is closed `timeout` s after it
-    connected or after its last response ended; the keep-alive timer stops at the first byte."""
+def _h11_with_header_timeout(timeout: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol with what uvicorn lacks: a deadline for a request's headers, and a
+    bound on open connections that is not one on requests (RunningLimit). A connection that sends
+    no headers, or dribbles them (slowloris), is closed `timeout` s after it connected or after its
+    last response ended; the keep-alive timer stops at the first byte. A connection past
+    `max_connections` open is closed at once."""
 
     class Protocol(H11Protocol):
         _header_timer = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.close()  # connection_lost takes it out of the server's set
+                return
             self._arm()
 
         def _arm(self) -> None:
@@ -84,8 +89,8 @@ class Daemon:
         lim = service.config.limits
         config = uvicorn.Config(create_app(service), host=host, port=port, access_log=False, log_level=log_level,
                                 timeout_graceful_shutdown=10, lifespan="off",
-                                http=_h11_with_header_timeout(lim.header_timeout_s),
-                                timeout_keep_alive=lim.keep_alive_s, limit_concurrency=lim.connections,
+                                http=_h11_with_header_timeout(lim.header_timeout_s, lim.connections),
+                                timeout_keep_alive=lim.keep_alive_s,
                                 h11_max_incomplete_event_size=lim.header_bytes)
         self.server = _Uvicorn(config, service)
 
