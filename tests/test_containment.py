@@ -4,6 +4,8 @@ component with other import types is refused at load, and each instance has a KV
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from host.engine import Pass
@@ -147,6 +149,36 @@ def test_each_ending_is_a_typed_result(tiny_runtime, mode, limits, says):
     r = run_ending(tiny_runtime, mode, limits)
     assert r.ok == (says is None), r.error
     assert says is None or says in r.error
+
+
+SOCKET_ERRORS = ["unknown", "access-denied"]  # the first cases of wasi:sockets' error-code
+
+
+@pytest.mark.wasm
+def test_a_component_importing_wasi_sockets_is_denied_the_network(tiny_runtime):
+    """Issue 41: the guests' socket attempts stopped at their own `ModuleNotFoundError: socket`; a
+    raw component calls wasi:sockets itself. The host links it (WASI's imports are there) and
+    denies it: no socket, and nothing reaches a listener on loopback."""
+    import socket
+
+    import wasmtime
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        wat = (Path(__file__).parent / "inferlets" / "raw" / "sockets.wat").read_text()
+        wasm = bytes(wasmtime.wat2wasm(wat.replace("PORT", str(listener.getsockname()[1]))))
+        r = tiny_runtime.run(wasm, [])
+        assert not r.ok and r.error.startswith("connect: "), r.error
+        code = int(r.error.split()[-1])
+        assert code != 99, "the host let it start a connection"
+        assert SOCKET_ERRORS[code % 50] == "access-denied", r.error
+        listener.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
 
 
 RUNS = 504  # 63 of each ending

@@ -1,0 +1,80 @@
+;; A raw component (no componentize-py, no CPython: the guests' own `socket` module does not
+;; exist) that imports wasi:sockets and tries to reach 127.0.0.1:PORT over TCP, PORT put in by the
+;; test (tests/test_containment.py). It reports what the host answered in its `run` error:
+;; "connect: NN", NN the wasi:sockets error-code's index (50 + it where creating the socket failed,
+;; 99 where the connect was started).
+(component
+  (import "wasi:sockets/network@0.2.0" (instance $net
+    (export "network" (type (sub resource)))))
+  (alias export $net "network" (type $network))
+  (import "wasi:sockets/instance-network@0.2.0" (instance $inet
+    (alias outer 1 $network (type $n))
+    (export "network" (type $nn (eq $n)))
+    (export "instance-network" (func (result (own $nn))))))
+  (import "wasi:sockets/tcp@0.2.0" (instance $tcp
+    (alias outer 1 $network (type $n))
+    (export "network" (type $nn (eq $n)))
+    (type $ec (enum "unknown" "access-denied" "not-supported" "invalid-argument" "out-of-memory" "timeout" "concurrency-conflict" "not-in-progress" "would-block" "invalid-state" "new-socket-limit" "address-not-bindable" "address-in-use" "remote-unreachable" "connection-refused" "connection-reset" "connection-aborted" "datagram-too-large" "name-unresolvable" "temporary-resolver-failure" "permanent-resolver-failure"))
+    (export "error-code" (type $ec2 (eq $ec)))
+    (type $v4 (record (field "port" u16) (field "address" (tuple u8 u8 u8 u8))))
+    (export "ipv4-socket-address" (type $v4e (eq $v4)))
+    (type $v6 (record (field "port" u16) (field "flow-info" u32)
+                      (field "address" (tuple u16 u16 u16 u16 u16 u16 u16 u16)) (field "scope-id" u32)))
+    (export "ipv6-socket-address" (type $v6e (eq $v6)))
+    (type $addr (variant (case "ipv4" $v4e) (case "ipv6" $v6e)))
+    (export "ip-socket-address" (type $addr2 (eq $addr)))
+    (export "tcp-socket" (type $sock (sub resource)))
+    (export "[method]tcp-socket.start-connect" (func (param "self" (borrow $sock)) (param "network" (borrow $nn))
+      (param "remote-address" $addr2) (result (result (error $ec2)))))))
+  (alias export $tcp "tcp-socket" (type $tcp-socket))
+  (import "wasi:sockets/tcp-create-socket@0.2.0" (instance $create
+    (type $ec (enum "unknown" "access-denied" "not-supported" "invalid-argument" "out-of-memory" "timeout" "concurrency-conflict" "not-in-progress" "would-block" "invalid-state" "new-socket-limit" "address-not-bindable" "address-in-use" "remote-unreachable" "connection-refused" "connection-reset" "connection-aborted" "datagram-too-large" "name-unresolvable" "temporary-resolver-failure" "permanent-resolver-failure"))
+    (export "error-code" (type $ec2 (eq $ec)))
+    (type $f (enum "ipv4" "ipv6"))
+    (export "ip-address-family" (type $f2 (eq $f)))
+    (alias outer 1 $tcp-socket (type $s0))
+    (export "tcp-socket" (type $s2 (eq $s0)))
+    (export "create-tcp-socket" (func (param "address-family" $f2) (result (result (own $s2) (error $ec2)))))))
+  (alias export $inet "instance-network" (func $instance-network))
+  (alias export $create "create-tcp-socket" (func $create-tcp))
+  (alias export $tcp "[method]tcp-socket.start-connect" (func $connect))
+  (core module $mem (memory (export "mem") 1))
+  (core instance $m (instantiate $mem))
+  (alias core export $m "mem" (core memory $memory))
+  (core func $inet_lowered (canon lower (func $instance-network)))
+  (core func $create_lowered (canon lower (func $create-tcp) (memory $memory)))
+  (core func $connect_lowered (canon lower (func $connect) (memory $memory)))
+  (core module $main
+    (import "m" "mem" (memory 1))
+    (import "h" "inet" (func $inet (result i32)))
+    (import "h" "create" (func $create (param i32 i32)))
+    (import "h" "connect" (func $connect (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32)))
+    (data (i32.const 200) "connect:   ")
+    (func $digits (param $at i32) (param $v i32)
+      (i32.store8 (local.get $at) (i32.add (i32.const 48) (i32.div_u (local.get $v) (i32.const 10))))
+      (i32.store8 (i32.add (local.get $at) (i32.const 1)) (i32.add (i32.const 48) (i32.rem_u (local.get $v) (i32.const 10)))))
+    (func (export "run") (param) (result i32)
+      (local $net i32) (local $sock i32) (local $code i32)
+      (local.set $net (call $inet))
+      (call $create (i32.const 0) (i32.const 64))  ;; ipv4; result<own, error-code> at 64
+      (if (i32.load8_u (i32.const 64))
+        (then (local.set $code (i32.add (i32.const 50) (i32.load8_u (i32.const 68)))))  ;; 50+: creating failed
+        (else
+          (local.set $sock (i32.load (i32.const 68)))
+          ;; 127.0.0.1:PORT
+          (call $connect (local.get $sock) (local.get $net) (i32.const 0)
+            (i32.const PORT) (i32.const 127) (i32.const 0) (i32.const 0) (i32.const 1)
+            (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 96))
+          (local.set $code (if (result i32) (i32.load8_u (i32.const 96))
+            (then (i32.load8_u (i32.const 97))) (else (i32.const 99))))))
+      (call $digits (i32.const 209) (local.get $code))
+      (i32.store (i32.const 128) (i32.const 1))
+      (i32.store (i32.const 132) (i32.const 200))
+      (i32.store (i32.const 136) (i32.const 11))
+      (i32.const 128)))
+  (core instance $main_i (instantiate $main (with "m" (instance $m))
+    (with "h" (instance (export "inet" (func $inet_lowered)) (export "create" (func $create_lowered))
+                        (export "connect" (func $connect_lowered))))))
+  (func $run (result (result (error string))) (canon lift (core func $main_i "run") (memory $memory)))
+  (export "run" (func $run))
+)
