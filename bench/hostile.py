@@ -215,11 +215,15 @@ def soak(server: Server, probe: HealthProbe, requests: int, concurrency: int, ma
         list(pool.map(one, plan[:warm]))
         rss_warm = _proc(server.proc.pid, "VmRSS")
         start = probe.now()
-        list(pool.map(one, plan[warm:]))
+        rss = []  # (requests done, RSS MB) after each 50
+        for at in range(warm, requests, 50):
+            list(pool.map(one, plan[at:at + 50]))
+            rss.append((min(at + 50, requests), _proc(server.proc.pid, "VmRSS") / 1024))
     time.sleep(1.0)
     out.update(requests=requests, concurrency=concurrency, max_tokens=max_tokens, warm_up=warm,
                rss_after_warm_up_mb=rss_warm / 1024, rss_end_mb=_proc(server.proc.pid, "VmRSS") / 1024,
-               rss_peak_mb=_proc(server.proc.pid, "VmHWM") / 1024, health=probe.window(start, probe.now()))
+               rss_peak_mb=_proc(server.proc.pid, "VmHWM") / 1024, rss_by_requests=rss,
+               health=probe.window(start, probe.now()))
     out["errors"] = out["errors"][:20]
     return out
 

@@ -40,6 +40,13 @@ def test_refused_components_are_kept_nowhere(tiny, tmp_path, bad_imports_wasm):
         with pytest.raises(InferletError, match="with another type"):  # found only once compiled
             rt.load(bad_imports_wasm)
         assert not rt.cache._loaded and not list(tmp_path.glob("*.cwasm"))
+        # only the verdict is kept: a second load is refused at once, with the same message (each
+        # launch of a refused component compiled it again: 63 runs of it took minutes)
+        first = str(rt._refused[rt.cache.key(bad_imports_wasm.read_bytes())])
+        rt.cache.compile = lambda *a: pytest.fail("compiled a refused component again")
+        with pytest.raises(InferletError) as again:
+            rt.load(bad_imports_wasm)
+        assert str(again.value) == first
 
 
 def test_another_world_is_refused_before_compiling(rt, monkeypatch, other_world_wasm, text_completion_wasm):

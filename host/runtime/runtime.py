@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -78,6 +79,9 @@ class RunHandle:
         return self._result
 
 
+REFUSALS_KEPT = 1024  # verdicts on refused components remembered (LRU)
+
+
 class _Pending:
     """A compile in progress; loads of the same bytes wait for it and share its outcome."""
 
@@ -97,6 +101,9 @@ class Runtime:
         self.cache = ComponentCache(self.wasm_engine, Path(cache_dir) if cache_dir else None, max_loaded)
         self._cache_lock = threading.Lock()
         self._compiling: dict[str, _Pending] = {}  # cache key -> the load compiling it (one compile per content)
+        # cache key -> why it was refused: only the message is kept (a compiled component is tens
+        # of MB); without it each launch of a refused upload compiled it again, for seconds
+        self._refused: OrderedDict[str, str] = OrderedDict()
         self._own_scheduler = scheduler is None
         self.scheduler = scheduler or Scheduler(engine)
         self.epoch_tick_s = epoch_tick_s
@@ -159,6 +166,10 @@ class Runtime:
                 component = self.cache.get(key)
                 if component is not None:
                     return component
+                refused = self._refused.get(key)
+                if refused is not None:  # the same verdict, without compiling it again
+                    self._refused.move_to_end(key)
+                    raise InferletError(refused)
                 pending = self._compiling.get(key)
                 mine = pending is None
                 if mine:
@@ -181,6 +192,10 @@ class Runtime:
                 return component
             except InferletError as e:
                 pending.error = str(e)  # not `e`: its traceback would hold the refused component
+                with self._cache_lock:
+                    self._refused[key] = pending.error
+                    while len(self._refused) > REFUSALS_KEPT:
+                        self._refused.popitem(last=False)
                 raise
             finally:
                 with self._cache_lock:
