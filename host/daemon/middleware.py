@@ -72,8 +72,7 @@ class RunningLimit:
         if scope["type"] != "http" or scope["path"] in self.EXEMPT:
             return await self.app(scope, receive, send)
         if self.running >= self.limit:
-            err = Busy(f"this server is answering {self.running} requests, its limit (pie serve --limit-concurrency)",
-                       code="server_busy")
+            err = Busy(f"this server is answering {self.running} requests, its limit (pie serve --limit-concurrency)")
             return await send_error(send, err, [(b"retry-after", b"1")])
         self.running += 1
         try:

@@ -82,14 +82,6 @@ class RunHandle:
 REFUSALS_KEPT = 1024  # verdicts on refused components remembered (LRU)
 
 
-class _Pending:
-    """A compile in progress; loads of the same bytes wait for it and share its outcome."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.error: str | None = None  # why it was refused
-
-
 class Runtime:
     def __init__(self, engine: Engine, *, limits: Limits | None = None, cache_dir: str | Path | None = None,
                  scheduler: Scheduler | None = None, epoch_tick_s: float = 0.01, max_loaded: int = MAX_LOADED):
@@ -100,7 +92,9 @@ class Runtime:
         self.wasm_engine = wasmtime.Engine(cfg)
         self.cache = ComponentCache(self.wasm_engine, Path(cache_dir) if cache_dir else None, max_loaded)
         self._cache_lock = threading.Lock()
-        self._compiling: dict[str, _Pending] = {}  # cache key -> the load compiling it (one compile per content)
+        # cache key -> set when the load compiling it is done (one compile per content): then the
+        # component is loaded, or its refusal is in _refused
+        self._compiling: dict[str, threading.Event] = {}
         # cache key -> why it was refused: only the message is kept (a compiled component is tens
         # of MB); without it each launch of a refused upload compiled it again, for seconds
         self._refused: OrderedDict[str, str] = OrderedDict()
@@ -173,11 +167,9 @@ class Runtime:
                 pending = self._compiling.get(key)
                 mine = pending is None
                 if mine:
-                    pending = self._compiling[key] = _Pending()
+                    pending = self._compiling[key] = threading.Event()
             if not mine:  # the same bytes are compiling on another thread: wait for that compile
-                pending.done.wait()
-                if pending.error is not None:
-                    raise InferletError(pending.error)
+                pending.wait()
                 continue
             try:
                 names = import_names(wasm)
@@ -191,16 +183,15 @@ class Runtime:
                     self.cache.put(key, component)
                 return component
             except InferletError as e:
-                pending.error = str(e)  # not `e`: its traceback would hold the refused component
-                with self._cache_lock:
-                    self._refused[key] = pending.error
+                with self._cache_lock:  # the message, not `e`: its traceback would hold the component
+                    self._refused[key] = str(e)
                     while len(self._refused) > REFUSALS_KEPT:
                         self._refused.popitem(last=False)
                 raise
             finally:
                 with self._cache_lock:
                     self._compiling.pop(key, None)
-                pending.done.set()
+                pending.set()
 
     # ---- running ----------------------------------------------------------------------
     def start(self, wasm: bytes | str | Path, args: list[str] = (), *, name: str | None = None,
