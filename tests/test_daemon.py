@@ -219,14 +219,6 @@ def test_stop_cutter_holds_back_a_split_stop_string():
 
 # ---- errors ---------------------------------------------------------------------------------
 
-def test_n_above_one_is_refused(client, http):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], n=2)
-    assert e.value.status_code == 400 and e.value.param == "n"
-    err = _error(http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "n": 2}), 400)
-    assert err["type"] == "invalid_request_error" and err["param"] == "n"
-
-
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"42": 5}),
     ("top_k", 40), ("min_p", 0.1), ("best_of", 2), ("logprobs", True), ("top_logprobs", 3), ("echo", True),

@@ -72,6 +72,22 @@ def test_body_past_the_cap_is_413_before_it_is_parsed(http):
     assert http.get("/health").status_code == 200
 
 
+def test_a_refused_body_is_read_to_its_end_so_the_413_is_not_reset_away(served):
+    """Closing a connection with unread bytes makes the kernel send a reset, and a reset destroys
+    the answer the client had not read yet (CI saw `received 0 bytes` for a 413). The rest of the
+    body is read and dropped first: the whole body goes out, and the 413 is there after a pause."""
+    body = b"{" + b" " * (LIMITS.body_bytes + (1 << 20)) + b"}"
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    sock = _raw(served, head + body)  # sendall: fails with a reset if the server closed without reading
+    time.sleep(0.5)  # the server has answered and closed by now
+    answer = b""
+    while chunk := sock.recv(1 << 16):
+        answer += chunk
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 413") and b"payload_too_large" in answer
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_prompt_past_its_byte_bound_is_refused_before_tokenizing(served, http, route, monkeypatch):
     n = served.service.max_prompt_bytes + 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from ..engine.pages import Quota
+from ..runtime.detok import Detokenizer
 from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult, Runtime
 from .admission import Admission
@@ -123,6 +124,7 @@ class Generation:
         self.prompt_tokens = prompt_tokens
         self.stopped = False  # a stop string was reached
         self.result: RunResult | None = None  # set by the waiter thread when the run has returned
+        self.ended = asyncio.Event()  # set on the event loop once the run has returned and its slot is free
         # on_text runs on the instance's or the compute thread: it only hands the text over
         self.handle = instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner, arrived=arrived,
                                       on_text=self._post, on_result=self._ended, label=inferlet.metric_label)
@@ -136,6 +138,10 @@ class Generation:
     def _ended(self, result: RunResult) -> None:
         self.result = result
         self._post(result)
+        try:
+            self._loop.call_soon_threadsafe(self.ended.set)
+        except RuntimeError:
+            pass
 
     async def text(self) -> AsyncIterator[str]:
         """The text, cut before the first stop string; raises the instance's failure as an APIError."""
@@ -175,6 +181,16 @@ class Generation:
         ids = self.result.token_ids
         return "stop" if self.stopped or (ids and ids[-1] in self._eos) else "length"
 
-    def usage(self) -> dict:
-        n = len(self.result.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens the client was given: up to the one that completed the stop string, not
+        those generated before the cancel took effect."""
+        ids = self.result.token_ids if self.result is not None else []
+        if not self.stopped or self._cut.end is None:
+            return len(ids)
+        detok, chars = Detokenizer(self._instances.runtime.engine.tokenizer), 0
+        for k, t in enumerate(ids, 1):
+            chars += len(detok.push([t]))
+            if chars >= self._cut.end:
+                return k
+        return len(ids)

@@ -31,6 +31,8 @@ class ServeLimits:
     stops: int = _limit(4, "stop strings of one request (OpenAI's bound); past it 400")
     stop_chars: int = _limit(1024, "characters of one stop string; past it 400")
     schema_bytes: int = _limit(64 << 10, "a response_format JSON schema, as JSON text; past it 400")
+    choices: int = _limit(128, "choices of one request: its prompts (a batched completion) times n, each an "
+                          "instance; past it 400", "--max-choices")
     inferlet_args: int = _limit(256, "arguments of a launch or a completion's inferlet_args; past it 400")
     keep_alive_s: float = _limit(5.0, "an idle keep-alive connection's life", "--timeout-keep-alive", kind=float)
     header_timeout_s: float = _limit(10.0, "the time a connection has to send a request's headers, from "

@@ -29,8 +29,17 @@ def endpoint(path: str) -> str:
     return "other"
 
 
+_FAILED_IN_STREAM = "pie_failed_in_stream"
+
+
+def failed_in_stream(request, err: APIError) -> None:
+    """A stream that began with 200 and then failed: counted and logged with the error's status."""
+    request.scope.setdefault("state", {})[_FAILED_IN_STREAM] = err.status
+
+
 class RequestLog:
-    """One log line per request when its response ends, and its count by endpoint and status."""
+    """One log line per request when its response ends, and its count by endpoint and status (a
+    stream that fails after its 200 began: the error's)."""
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -51,6 +60,7 @@ class RequestLog:
             await self.app(scope, receive, send_status)
         finally:
             path = scope["path"]
+            status = scope.get("state", {}).get(_FAILED_IN_STREAM, status)
             self.metrics.requests.labels(endpoint(path), str(status)).inc()
             client = scope.get("client") or ("-", 0)
             log.info("%s %s %s %d %.1f ms", client[0], scope["method"], path, status,
@@ -112,13 +122,15 @@ async def send_error(send, err: APIError, headers: list | None = None) -> None:
 
 class BodyLimit:
     """431 for headers past `header_limit` bytes (h11 bounds only headers that arrive in pieces).
-    413 for a body past `limit` bytes, before anything parses it: at once by its Content-Length,
-    else as soon as the bytes read pass it. The body is read here whole and handed on; `exempt`
+    413 for a body past `limit` bytes, before anything parses it: known by its Content-Length or
+    as soon as the bytes read pass it; either way the rest of a body up to 4x the cap is read
+    and dropped before the answer. The body is read here whole and handed on; `exempt`
     routes (the upload, which streams its body under its own limit) read it themselves. A client
     that leaves mid-body is logged as 499, not an error of the app."""
 
     def __init__(self, app, limit: int, header_limit: int, timeout: float, exempt: set[tuple[str, str]]):
         self.app, self.limit, self.header_limit, self.timeout, self.exempt = app, limit, header_limit, timeout, exempt
+        self.drain = 4 * limit  # a body this long is read past the cap and dropped, so its 413 arrives
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -131,13 +143,14 @@ class BodyLimit:
         if (scope["method"], scope["path"]) in self.exempt:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            return await send_error(send, TooLarge(f"the request body is larger than this server's limit of "
-                                                   f"{self.limit >> 20} MiB (pie serve --max-body-mb)"),
-                                    [(b"connection", b"close")])
         try:
             async with asyncio.timeout(self.timeout):  # a body dribbled byte by byte holds a task
-                body = await self._read(receive)
+                if declared.isdigit() and int(declared) > self.limit:
+                    body = self._too_large()
+                    if int(declared) <= self.drain:
+                        await self._discard(receive, int(declared))
+                else:
+                    body = await self._read(receive)
         except TimeoutError:
             body = RequestTimeout(f"the request body did not arrive within {self.timeout:g} s (pie serve "
                                   "--timeout-body)")
@@ -162,8 +175,23 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                return TooLarge(f"the request body is larger than this server's limit of {self.limit >> 20} MiB "
-                                "(pie serve --max-body-mb)")
+                if message.get("more_body", False):
+                    await self._discard(receive, self.drain - size)
+                return self._too_large()
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    def _too_large(self) -> APIError:
+        return TooLarge(f"the request body is larger than this server's limit of {self.limit >> 20} MiB "
+                        "(pie serve --max-body-mb)")
+
+    @staticmethod
+    async def _discard(receive, most: int) -> None:
+        """Read and drop up to `most` bytes of the body. Closing on unread bytes makes the kernel reset
+        the connection, and a reset can destroy the 413 before the client reads it."""
+        while most > 0:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+            most -= len(message.get("body", b""))

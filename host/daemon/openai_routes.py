@@ -8,8 +8,9 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .choices import Choices, Ended
 from .errors import APIError, ClientGone, NotFound
-from .instances import Generation
+from .middleware import failed_in_stream
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, client_gone
 from .shapes import ChatShape, CompletionShape, sse
@@ -43,29 +44,32 @@ async def model(model_id: str, request: Request) -> dict:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     svc = _service(request)
-    gen = await svc.generate(request, body, body.prompt_text(), body.max_tokens)
-    return await _respond(request, gen, CompletionShape(svc.model, body.include_usage()), body.stream)
+    plans = await svc.plan(request, body, body.prompts(), body.max_tokens)
+    return await _respond(request, Choices(svc, request, plans), CompletionShape(svc.model, body.include_usage()),
+                          body.stream)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     svc = _service(request)
-    gen = await svc.generate(request, body, await svc.render_chat(body.messages), body.token_limit())
-    return await _respond(request, gen, ChatShape(svc.model, body.include_usage()), body.stream)
+    plans = await svc.plan(request, body, [await svc.render_chat(body.messages)], body.token_limit())
+    return await _respond(request, Choices(svc, request, plans), ChatShape(svc.model, body.include_usage()),
+                          body.stream)
 
 
-async def _respond(request: Request, gen: Generation, shape: CompletionShape | ChatShape, stream: bool):
-    # the instance has started (or the request was refused) before any byte of the response
+async def _respond(request: Request, choices: Choices, shape: CompletionShape | ChatShape, stream: bool):
+    # the first choice's instance has started (or the request was refused) before any byte of the response
+    await choices.start_first()
     if stream:
-        return StreamingResponse(_events(gen, shape), media_type="text/event-stream",
+        return StreamingResponse(_events(request, choices, shape), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    text = await _unless_gone(request, gen.all_text())
-    return JSONResponse(shape.response(text, gen.finish_reason, gen.usage()))
+    out = await _unless_gone(request, choices.all())
+    return JSONResponse(shape.response(out, choices.usage()))
 
 
 async def _unless_gone(request: Request, work):
-    """`work`'s result; if the client goes away first, `work` is cancelled (leaving gen.text()
-    cancels the instance and frees its slot) and the request ends as 499."""
+    """`work`'s result; if the client goes away first, `work` is cancelled (leaving the choices'
+    text cancels their instances and frees their slots) and the request ends as 499."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(client_gone(request))
     try:
@@ -80,21 +84,25 @@ async def _unless_gone(request: Request, work):
     return task.result()
 
 
-async def _events(gen: Generation, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:
+async def _events(request: Request, choices: Choices, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:
     """The SSE stream. A client that disconnects cancels the request's task here, and leaving
-    gen.text() early cancels the instance."""
+    the choices' events early cancels their instances."""
+    began: set[int] = set()
     try:
-        first = shape.first_chunk()
-        if first is not None:
-            yield sse(first)
-        async for text in gen.text():
-            yield sse(shape.delta_chunk(text))
+        async for i, item in choices.events():
+            if i not in began:
+                began.add(i)
+                first = shape.first_chunk(i)
+                if first is not None:
+                    yield sse(first)
+            yield sse(shape.final_chunk(i, item.finish_reason) if isinstance(item, Ended)
+                      else shape.delta_chunk(i, item))
     except APIError as e:  # the response has begun: the error goes in the stream, as vLLM sends it
+        failed_in_stream(request, e)
         yield sse(e.body())
     else:
-        yield sse(shape.final_chunk(gen.finish_reason))
         if shape.include_usage:
-            yield sse(shape.usage_chunk(gen.usage()))
+            yield sse(shape.usage_chunk(choices.usage()))
     finally:
-        gen.abandon()  # cancelled before its text began: the instance must not run on alone
+        choices.abandon()  # cancelled before its text began: the instances must not run on alone
     yield sse("[DONE]")

@@ -1,8 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic). Fields this server does not
 know are ignored, as OpenAI-compatible servers do; fields of OpenAI's API (and vLLM's sampling
 extensions) it cannot honour yet are refused by `check_supported` when they ask for anything but
-their neutral value (`NOT_HONOURED`; `n` other than 1): a request is never served as if they
-had not been sent. A `response_format` of `json_object` or
+their neutral value (`NOT_HONOURED`): a request is never served as if they had not been sent. A `response_format` of `json_object` or
 `json_schema` is served by the constrained-speculative-decoding inferlet (`json_schema_text`).
 `inferlet` and `inferlet_args` are this server's extensions (the openai client sends them in
 `extra_body`)."""
@@ -12,13 +11,13 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from .errors import BadRequest
 
 
 # the inferlet arguments a completion sets from its own fields (the prompt comes templated: no --chat)
-SET_BY_REQUEST = frozenset({"--prompt", "--chat", "--max-tokens", "--temperature", "--top-p", "--seed"})
+SET_BY_REQUEST = frozenset({"--prompt", "--prompt-ids", "--chat", "--max-tokens", "--temperature", "--top-p", "--seed"})
 
 
 def utf8_len(text: str, param: str) -> int:
@@ -54,7 +53,7 @@ class SamplingRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)  # None: 1.0
     seed: int | None = Field(None, ge=0, lt=2**64)  # the inferlet's seed is a u64
     stop: str | list[str] | None = None
-    n: int | None = None  # None: 1
+    n: int | None = Field(None, ge=1)  # choices per prompt; None: 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: dict | None = None
@@ -95,9 +94,6 @@ class SamplingRequest(BaseModel):
                 raise BadRequest(f"{name}={_short(value)} is not supported by this server yet; leave it out (or send "
                                  f"{_short(neutral[0])}) rather than have it ignored", param=name,
                                  code="unsupported_value")
-        if self.n not in (None, 1):
-            raise BadRequest(f"n={self.n} is not supported: this server returns one choice per request (n=1)",
-                             param="n", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 
@@ -130,15 +126,19 @@ def _short(value) -> str:
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]
+    # text, a batch of texts, one prompt's token ids, or a batch of those (OpenAI's four forms)
+    prompt: str | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise BadRequest("a list prompt must hold exactly one string (batched prompts are not supported)",
-                             param="prompt", code="unsupported_value")
-        return self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch (one for a plain prompt), in order."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise BadRequest("prompt is an empty list", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
 
 
 class TextPart(BaseModel):

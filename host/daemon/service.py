@@ -125,42 +125,83 @@ class Service:
             raise BadRequest(f"the prompt's {n} bytes cannot fit the model's context of {self.engine.info.context_len} "
                              "tokens", param=param, code="context_length_exceeded")
 
-    async def generate(self, request: Request, req: SamplingRequest, prompt: str, max_tokens: int | None) -> Generation:
-        """Start the request's inferlet on `prompt` (already templated: passed without --chat),
-        once admission gives it a slot."""
+    async def plan(self, request: Request, req: SamplingRequest, prompts: list[str | list[int]],
+                   max_tokens: int | None) -> list[Plan]:
+        """The request's choices (each prompt `n` times, in OpenAI's order), every one checked
+        before any starts. A prompt is text (already templated: passed without --chat) or token ids."""
         self.check_model(req.model)
         req.check_supported()
         limits = self.config.limits
+        n = req.n or 1
+        if len(prompts) * n > limits.choices:
+            raise BadRequest(f"{len(prompts)} prompts times n={n} make {len(prompts) * n} choices, past this server's "
+                             f"limit of {limits.choices} (pie serve --max-choices)",
+                             param="n" if len(prompts) == 1 else "prompt")
         stops = req.stops(limits.stops, limits.stop_chars)
         extra = req.extra_args(limits.inferlet_args)
-        self.check_prompt_bytes(utf8_len(prompt, "prompt"), "prompt")
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_prompt_bytes(utf8_len(p, "prompt"), "prompt")
+            else:
+                self.check_prompt_ids(p)
         schema = req.json_schema_text()
         if schema is None:
             inferlet = self.completion_inferlet(req.inferlet, owner_of(request))
         else:
             inferlet = await self.constrained_inferlet(req.inferlet, schema, owner_of(request))
         extra += [] if schema is None else ["--json-schema", schema]
-        # the same encoding as the inferlet's (the bindings' encode): the prompt's token count; a
-        # long prompt takes seconds, so off the event loop
-        n_prompt = len(await asyncio.to_thread(self.engine.tokenizer.encode, prompt, add_special_tokens=False))
-        if n_prompt == 0:
-            raise BadRequest("the prompt is empty", param="prompt")
-        room = self.engine.info.context_len - n_prompt
-        if max_tokens is None:
-            max_tokens = room  # as vLLM: up to the end of the context
-        if max_tokens > room or room < 1:
-            raise BadRequest(f"the prompt's {n_prompt} tokens and max_tokens={max_tokens} exceed the model's context "
-                             f"of {self.engine.info.context_len} tokens", param="max_tokens",
-                             code="context_length_exceeded")
         seed = req.seed if req.seed is not None else secrets.randbits(63)  # unseeded requests differ
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
-        args = ["--prompt", prompt, "--max-tokens", str(max_tokens), "--temperature", repr(temperature),
-                "--top-p", repr(top_p), "--seed", str(seed), *extra]
+        plans = []
+        for i, p in enumerate(prompts):
+            # the same encoding as the inferlet's (the bindings' encode): the prompt's token count; a
+            # long prompt takes seconds, so off the event loop
+            n_prompt = len(p) if isinstance(p, list) else len(
+                await asyncio.to_thread(self.engine.tokenizer.encode, p, add_special_tokens=False))
+            if n_prompt == 0:
+                raise BadRequest("the prompt is empty", param="prompt")
+            room = self.engine.info.context_len - n_prompt
+            most = room if max_tokens is None else max_tokens  # as vLLM: up to the end of the context
+            if most > room or room < 1:
+                raise BadRequest(f"the prompt's {n_prompt} tokens and max_tokens={most} exceed the model's context "
+                                 f"of {self.engine.info.context_len} tokens", param="max_tokens",
+                                 code="context_length_exceeded")
+            given = ["--prompt", p] if isinstance(p, str) else ["--prompt-ids", ",".join(map(str, p))]
+            for j in range(n):  # choice j of every prompt draws from seed + j: as n requests seeded so
+                args = [*given, "--max-tokens", str(most), "--temperature", repr(temperature), "--top-p", repr(top_p),
+                        "--seed", str((seed + j) % 2**64), *extra]
+                plans.append(Plan(inferlet, args, n_prompt, stops, i, j))
+        return plans
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        vocab = self.engine.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        if len(ids) > self.engine.info.context_len:
+            raise BadRequest(f"the prompt's {len(ids)} tokens cannot fit the model's context of "
+                             f"{self.engine.info.context_len} tokens", param="prompt", code="context_length_exceeded")
+
+    async def start(self, request: Request, plan: Plan) -> Generation:
+        """Start one choice's inferlet once admission gives it a slot."""
         owner, arrived = await self.admit(request)
-        gen = Generation(self.instances, inferlet, args, n_prompt, stops, owner, arrived)  # a failed start frees its slot
-        self.metrics.started(inferlet.metric_label, n_prompt)
+        gen = Generation(self.instances, plan.inferlet, plan.args, plan.prompt_tokens, plan.stops, owner,
+                         arrived)  # a failed start frees its slot
+        self.metrics.started(plan.inferlet.metric_label, plan.prompt_tokens)
         return gen
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One choice of a request, checked and ready to start."""
+
+    inferlet: Inferlet
+    args: list[str]
+    prompt_tokens: int
+    stops: list[str]
+    prompt_index: int  # which prompt of a batch
+    sample: int  # which of its n
 
 
 def _longest_token_bytes(tokenizer, default: int) -> int:

@@ -35,25 +35,28 @@ class _Shape:
     def usage_chunk(self, usage: dict) -> dict:
         return self.chunk(None) | {"usage": usage}
 
-    def first_chunk(self) -> dict | None:
-        return None
 
 
 class CompletionShape(_Shape):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return self._head(self.object) | {"choices": [self._choice(text, finish_reason)], "usage": usage}
+    def response(self, choices: list[tuple[str, str]], usage: dict) -> dict:
+        """choices: (text, finish_reason) in index order."""
+        return self._head(self.object) | {"choices": [self._choice(i, t, r) for i, (t, r) in enumerate(choices)],
+                                          "usage": usage}
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def delta_chunk(self, text: str) -> dict:
-        return self.chunk(self._choice(text, None))
+    def first_chunk(self, index: int) -> dict | None:
+        return None
 
-    def final_chunk(self, finish_reason: str) -> dict:
-        return self.chunk(self._choice("", finish_reason))
+    def delta_chunk(self, index: int, text: str) -> dict:
+        return self.chunk(self._choice(index, text, None))
+
+    def final_chunk(self, index: int, finish_reason: str) -> dict:
+        return self.chunk(self._choice(index, "", finish_reason))
 
 
 class ChatShape(_Shape):
@@ -61,19 +64,19 @@ class ChatShape(_Shape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        return self._head(self.object) | {"choices": [choice], "usage": usage}
+    def response(self, choices: list[tuple[str, str]], usage: dict) -> dict:
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+        return self._head(self.object) | {"choices": out, "usage": usage}
 
-    def _choice(self, delta: dict, finish_reason: str | None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, delta: dict, finish_reason: str | None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def first_chunk(self) -> dict:
-        return self.chunk(self._choice({"role": "assistant", "content": ""}, None))
+    def first_chunk(self, index: int) -> dict:
+        return self.chunk(self._choice(index, {"role": "assistant", "content": ""}, None))
 
-    def delta_chunk(self, text: str) -> dict:
-        return self.chunk(self._choice({"content": text}, None))
+    def delta_chunk(self, index: int, text: str) -> dict:
+        return self.chunk(self._choice(index, {"content": text}, None))
 
-    def final_chunk(self, finish_reason: str) -> dict:
-        return self.chunk(self._choice({}, finish_reason))
+    def final_chunk(self, index: int, finish_reason: str) -> dict:
+        return self.chunk(self._choice(index, {}, finish_reason))

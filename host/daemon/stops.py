@@ -5,22 +5,28 @@ from __future__ import annotations
 
 class StopCutter:
     """`push(text)` -> (text safe to send, whether a stop string was reached); the text is cut
-    before the first stop string. `flush()` returns what was held back when the run ended."""
+    before the first stop string. `flush()` returns what was held back when the run ended.
+    `end`: once a stop string is reached, the characters of generated text up to its end."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self._held = ""
+        self._sent = 0  # characters passed on
+        self.end: int | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
         held = self._held + text
         if not self.stops:
             return held, False
-        hits = [i for i in (held.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s)) for s, i in ((s, held.find(s)) for s in self.stops) if i >= 0]
         if hits:
+            at, minus_len = min(hits)  # the first, and of those starting there the longest
             self._held = ""
-            return held[:min(hits)], True
+            self.end = self._sent + at - minus_len
+            return held[:at], True
         keep = self._partial(held)
         self._held = held[len(held) - keep:]
+        self._sent += len(held) - keep
         return held[:len(held) - keep], False
 
     def flush(self) -> str:

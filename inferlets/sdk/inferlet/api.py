@@ -67,9 +67,13 @@ class Model:
         return _tok.encode(text)
 
     def prompt_tokens(self, args) -> list:
-        """The tokens of args.prompt (GenerationArgs), in the chat template when args.chat."""
-        text = self.chat_prompt([("user", args.prompt)]) if args.chat else args.prompt
-        tokens = self.encode(text)
+        """The tokens of args.prompt (GenerationArgs), in the chat template when args.chat; or
+        args.prompt_ids as given (the host checks each id against the vocabulary)."""
+        if args.prompt_ids is not None:
+            tokens = args.prompt_ids
+        else:
+            text = self.chat_prompt([("user", args.prompt)]) if args.chat else args.prompt
+            tokens = self.encode(text)
         if not tokens:
             raise UsageError("the prompt is empty; pass --prompt TEXT")
         return tokens

@@ -1,6 +1,7 @@
 """The standard generation arguments every generation inferlet accepts.
 
---prompt TEXT, --chat, --max-tokens N, --temperature T (0 = greedy), --top-p P, --seed S.
+--prompt TEXT or --prompt-ids 1,2,3 (the prompt's token ids, for a client that tokenized it),
+--chat, --max-tokens N, --temperature T (0 = greedy), --top-p P, --seed S.
 A small hand-written parser: argparse would print and exit, which a guest cannot do well.
 """
 
@@ -12,6 +13,7 @@ class UsageError(Exception):
 class GenerationArgs:
     def __init__(self):
         self.prompt = ""
+        self.prompt_ids = None  # a list of token ids instead of the prompt's text
         self.chat = False
         self.max_tokens = 32
         self.temperature = 0.0
@@ -20,7 +22,16 @@ class GenerationArgs:
         self.extra = {}  # inferlet-specific --name value pairs
 
 
-_TYPES = {"--prompt": ("prompt", str), "--max-tokens": ("max_tokens", int), "--temperature": ("temperature", float),
+def _ids(text: str) -> list:
+    ids = [int(t) for t in text.split(",")]
+    if any(i < 0 for i in ids):
+        raise ValueError(text)
+    return ids
+
+
+_ids.__name__ = "comma-separated list of token ids"
+
+_TYPES = {"--prompt": ("prompt", str), "--prompt-ids": ("prompt_ids", _ids), "--max-tokens": ("max_tokens", int), "--temperature": ("temperature", float),
           "--top-p": ("top_p", float), "--seed": ("seed", int)}
 
 
@@ -57,6 +68,8 @@ def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:
             setattr(out, attr, parsed)
         else:
             out.extra[attr] = parsed
+    if out.prompt_ids is not None and (out.prompt or out.chat):
+        raise UsageError("--prompt-ids is the whole prompt: it takes neither --prompt nor --chat")
     if out.max_tokens < 0:
         raise UsageError("--max-tokens must be >= 0")
     if out.temperature < 0:
