@@ -5,6 +5,7 @@ class PieError(Exception):
     """Base class: a clear, user-facing error (never a crash)."""
 
     code = "error"
+    limit = False  # a budget of the instance's was reached (not a fault): its output so far stands
 
 
 class InvalidArgument(PieError):
@@ -17,6 +18,12 @@ class BadHandle(PieError):
 
 class PoolExhausted(PieError):
     code = "out-of-pages"
+
+
+class QuotaExhausted(PoolExhausted):
+    """The pool has pages, but not within the instance's (or its key's) share of it."""
+
+    limit = True
 
 
 class ContextOverflow(PieError):

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from test_daemon import QUESTION, Served, _error, _metrics, _requests
+from test_daemon import LONG, QUESTION, Served, _error, _metrics, _requests
 from wasm_fixtures import *  # noqa: F401,F403
 
 pytestmark = [pytest.mark.model, pytest.mark.wasm]
@@ -165,3 +165,28 @@ def test_prompt_ids_is_the_whole_prompt(runtime, text_completion_wasm):
         assert not res.ok and words in res.error, (args, res.error)
     res = runtime.run(text_completion_wasm, ["--prompt-ids", "1,99999999"])
     assert not res.ok and "outside the vocabulary" in res.error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_ended_by_a_limit_keeps_its_text_and_finishes_at_length(client, runtime, reference, served,
+                                                                          monkeypatch, stream):
+    """Issue 40: a request that reached a limit (here the compute-time budget of its device loop)
+    answered a 500 and lost its text; now it is the text so far, finish_reason "length", and the
+    limit's message in the choice's `limit`."""
+    from host.runtime.limits import Limits
+
+    monkeypatch.setattr(runtime, "limits", Limits(compute_time_s=0.3))
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=4000, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        last = [c for c in chunks if c.choices][-1].choices[0]
+        n = chunks[-1].usage.completion_tokens
+    else:
+        out = client.chat.completions.create(**kw)
+        text, last, n = out.choices[0].message.content, out.choices[0], out.usage.completion_tokens
+    monkeypatch.undo()  # the reference runs under the usual limits
+    assert last.finish_reason == "length"
+    assert "compute-time limit of 0.3 s (--compute-time)" in last.model_extra["limit"]
+    assert 1 < n < 4000 and text == reference("--prompt", LONG, "--chat", "--max-tokens", str(n)).text
+    served.wait_idle()

@@ -4,7 +4,6 @@ order as admission gives each a slot, their text merged into one stream of (inde
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -12,13 +11,7 @@ from fastapi import Request
 from .errors import APIError, TooManyRequests
 from .instances import Generation
 from .service import Plan, Service
-
-
-@dataclass(frozen=True)
-class Ended:
-    """A choice has ended; its text is complete."""
-
-    finish_reason: str
+from .shapes import Ended
 
 
 class Choices:
@@ -44,7 +37,7 @@ class Choices:
             try:
                 async for text in gen.text():
                     queue.put_nowait((i, text))
-                queue.put_nowait((i, Ended(gen.finish_reason)))
+                queue.put_nowait((i, Ended(gen.finish_reason, gen.limit)))
             except APIError as e:
                 queue.put_nowait((i, e))
 
@@ -93,16 +86,16 @@ class Choices:
             if g is not None:
                 g.abandon()
 
-    async def all(self) -> list[tuple[str, str]]:
-        """Every choice's (text, finish_reason), in index order."""
+    async def all(self) -> list[tuple[str, Ended]]:
+        """Every choice's text and end, in index order."""
         texts: list[list[str]] = [[] for _ in self.plans]
-        reasons: list[str] = [""] * len(self.plans)
+        ends: list[Ended | None] = [None] * len(self.plans)
         async for i, item in self.events():
             if isinstance(item, Ended):
-                reasons[i] = item.finish_reason
+                ends[i] = item
             else:
                 texts[i].append(item)
-        return [("".join(t), r) for t, r in zip(texts, reasons)]
+        return [("".join(t), e) for t, e in zip(texts, ends)]
 
     def usage(self) -> dict:
         """A prompt counted once however many samples it had, as OpenAI counts it."""

@@ -4,6 +4,7 @@ OpenAI request's text as an async stream, cut at stop strings."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from .errors import Busy, from_instance_error
 from .metrics import Metrics
 from .inferlets import Inferlet
 from .stops import StopCutter
+
+log = logging.getLogger("pie.serve")
 
 
 class Instances:
@@ -123,9 +126,11 @@ class Generation:
         self._eos = set(instances.runtime.engine.info.eos_ids)
         self.prompt_tokens = prompt_tokens
         self.stopped = False  # a stop string was reached
+        self.limit: str | None = None  # the limit that ended the run (RunResult.limit): it finished at "length"
         self.result: RunResult | None = None  # set by the waiter thread when the run has returned
         self.ended = asyncio.Event()  # set on the event loop once the run has returned and its slot is free
         # on_text runs on the instance's or the compute thread: it only hands the text over
+        self.handle_name = inferlet.run_name
         self.handle = instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner, arrived=arrived,
                                       on_text=self._post, on_result=self._ended, label=inferlet.metric_label)
 
@@ -151,8 +156,12 @@ class Generation:
                 if isinstance(item, RunResult):
                     if self.stopped:
                         return  # cancelled by us: its error is ours
-                    if not item.ok:
+                    if not item.ok and item.limit is None:
                         raise from_instance_error(item.error or "internal: no error given", item.returned)
+                    if not item.ok:  # a limit ended it: the text so far is the answer, cut at "length"
+                        self.limit = item.limit
+                        log.warning("%s ended by a limit after %d tokens: %s", self.handle_name,
+                                    len(item.token_ids), item.limit)
                     tail = self._cut.flush()
                     if tail:
                         yield tail
@@ -179,7 +188,7 @@ class Generation:
     @property
     def finish_reason(self) -> str:
         ids = self.result.token_ids
-        return "stop" if self.stopped or (ids and ids[-1] in self._eos) else "length"
+        return "stop" if not self.limit and (self.stopped or (ids and ids[-1] in self._eos)) else "length"
 
     @property
     def completion_tokens(self) -> int:

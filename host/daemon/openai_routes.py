@@ -8,12 +8,12 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .choices import Choices, Ended
+from .choices import Choices
 from .errors import APIError, ClientGone, NotFound
 from .middleware import failed_in_stream
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, client_gone
-from .shapes import ChatShape, CompletionShape, sse
+from .shapes import ChatShape, CompletionShape, Ended, sse
 
 router = APIRouter(prefix="/v1")
 
@@ -95,8 +95,7 @@ async def _events(request: Request, choices: Choices, shape: CompletionShape | C
                 first = shape.first_chunk(i)
                 if first is not None:
                     yield sse(first)
-            yield sse(shape.final_chunk(i, item.finish_reason) if isinstance(item, Ended)
-                      else shape.delta_chunk(i, item))
+            yield sse(shape.final_chunk(i, item) if isinstance(item, Ended) else shape.delta_chunk(i, item))
     except APIError as e:  # the response has begun: the error goes in the stream, as vLLM sends it
         failed_in_stream(request, e)
         yield sse(e.body())

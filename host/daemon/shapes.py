@@ -5,6 +5,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A choice has ended; its text is complete. `limit`: the limit that ended it, if one did."""
+
+    finish_reason: str
+    limit: str | None = None
 
 
 def sse(obj: dict | str) -> str:
@@ -41,13 +50,13 @@ class CompletionShape(_Shape):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def response(self, choices: list[tuple[str, str]], usage: dict) -> dict:
-        """choices: (text, finish_reason) in index order."""
-        return self._head(self.object) | {"choices": [self._choice(i, t, r) for i, (t, r) in enumerate(choices)],
+    def response(self, choices: list[tuple[str, Ended]], usage: dict) -> dict:
+        """choices: (text, how it ended) in index order."""
+        return self._head(self.object) | {"choices": [self._choice(i, t, e) for i, (t, e) in enumerate(choices)],
                                           "usage": usage}
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, end: Ended | None) -> dict:
+        return _ended({"index": index, "text": text, "logprobs": None}, end)
 
     def first_chunk(self, index: int) -> dict | None:
         return None
@@ -55,8 +64,8 @@ class CompletionShape(_Shape):
     def delta_chunk(self, index: int, text: str) -> dict:
         return self.chunk(self._choice(index, text, None))
 
-    def final_chunk(self, index: int, finish_reason: str) -> dict:
-        return self.chunk(self._choice(index, "", finish_reason))
+    def final_chunk(self, index: int, end: Ended) -> dict:
+        return self.chunk(self._choice(index, "", end))
 
 
 class ChatShape(_Shape):
@@ -64,13 +73,13 @@ class ChatShape(_Shape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def response(self, choices: list[tuple[str, str]], usage: dict) -> dict:
-        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+    def response(self, choices: list[tuple[str, Ended]], usage: dict) -> dict:
+        out = [_ended({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None}, end)
+               for i, (text, end) in enumerate(choices)]
         return self._head(self.object) | {"choices": out, "usage": usage}
 
-    def _choice(self, index: int, delta: dict, finish_reason: str | None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, delta: dict, end: Ended | None) -> dict:
+        return _ended({"index": index, "delta": delta, "logprobs": None}, end)
 
     def first_chunk(self, index: int) -> dict:
         return self.chunk(self._choice(index, {"role": "assistant", "content": ""}, None))
@@ -78,5 +87,14 @@ class ChatShape(_Shape):
     def delta_chunk(self, index: int, text: str) -> dict:
         return self.chunk(self._choice(index, {"content": text}, None))
 
-    def final_chunk(self, index: int, finish_reason: str) -> dict:
-        return self.chunk(self._choice(index, {}, finish_reason))
+    def final_chunk(self, index: int, end: Ended) -> dict:
+        return self.chunk(self._choice(index, {}, end))
+
+
+def _ended(choice: dict, end: Ended | None) -> dict:
+    """finish_reason (null while the choice runs), and this server's extension `limit`: the
+    message of the limit that ended it, when one did (finish_reason is then "length")."""
+    choice["finish_reason"] = None if end is None else end.finish_reason
+    if end is not None and end.limit is not None:
+        choice["limit"] = end.limit
+    return choice

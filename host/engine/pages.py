@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 
-from ..errors import PoolExhausted
+from ..errors import PoolExhausted, QuotaExhausted
 
 
 class Quota:
@@ -59,7 +59,7 @@ class PagePool:
     def alloc(self, n: int, quota: Quota | None = None) -> list[int]:
         for q in quota.chain() if quota is not None else ():
             if q.used + n > q.limit:
-                raise PoolExhausted(
+                raise QuotaExhausted(
                     f"KV page quota exhausted: need {n} more pages of {self.page_size} rows, {q.used} of {q.whose} "
                     f"quota of {q.limit} pages (of {self.num_pages} in the pool) are in use; release "
                     f"working sets or raise the quota ({q.flag})")

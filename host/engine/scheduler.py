@@ -109,7 +109,9 @@ class Scheduler:
 
     def _step(self, work: list[tuple[Pass, Future]], loops: list[DeviceLoop]) -> None:
         eng = self.engine
-        started = time.perf_counter()
+        # the compute thread's CPU clock: a step that waits for a core on a loaded machine is not
+        # charged for the wait, so a healthy loop does not end early under load (issue 40)
+        started = time.thread_time()
         live, loop_passes = [], []
         for lp in loops:
             try:
@@ -158,7 +160,7 @@ class Scheduler:
     def _postprocess_loops(self, ran: list, started: float, rows: int) -> None:
         """Epilogues, readback and bookkeeping of the loops that ran: a failure in any of them
         ends its own loop only (one instance's program must not stop another's). Each loop's
-        round costs the step's time so far times its share of the batch's rows (`on_round`):
+        round costs the step's CPU time so far times its share of the batch's rows (`on_round`):
         a loop batched with seven others is not charged the whole step."""
         loops = [r[0] for r in ran]
         locks = loops[0].locks() if len(loops) == 1 else \
@@ -175,7 +177,7 @@ class Scheduler:
                 else:
                     alive.append((r, res))
             backs = readback([r[0] for r, _ in alive], [r[1] for r, _ in alive], [res for _, res in alive])
-            per_row = (time.perf_counter() - started) / max(rows, 1)
+            per_row = (time.thread_time() - started) / max(rows, 1)
             for ((lp, ps, first, _), _), back in zip(alive, backs):
                 if isinstance(back, PieError):
                     lp.finish(back)

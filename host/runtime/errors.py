@@ -30,6 +30,8 @@ class BudgetExceeded(InvalidArgument):
     """A request past one of the instance's budgets (host/runtime/limits.py): the guest may
     release something and retry, so it is the WIT's invalid-argument, naming the flag."""
 
+    limit = True
+
 
 class Cancelled(PieError):
     """The run was cancelled (Runtime.cancel, its wall-time or log limit): it ends at once."""

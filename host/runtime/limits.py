@@ -22,8 +22,8 @@ class Limits:
                                "(componentize-py's CPython needs ~40 MiB)", "--memory-mb", 1 << 20)
     cpu_time_s: float = _limit(60.0, "guest execution time: its thread's CPU time (not time asleep, blocked in host "
                                "calls, or its device loops' model time)", "--cpu-time", kind=float)
-    compute_time_s: float = _limit(600.0, "model time of the instance's device loops: each round's share of the step it "
-                                   "ran in", "--compute-time", kind=float)
+    compute_time_s: float = _limit(600.0, "model time of the instance's device loops: each round's share of the compute "
+                                   "thread's CPU time for the step it ran in", "--compute-time", kind=float)
     wall_time_s: float = _limit(600.0, "the whole run, from start to end; past it the run is cancelled",
                                 "--wall-time", kind=float)
     kv_share: float = _limit(0.5, "the most of the KV page pool one instance's working sets may hold",

@@ -47,12 +47,17 @@ class RunResult:
     stats: dict
     log: str = ""  # the guest's captured stdout and stderr
     returned: bool = False  # `error` is the one the inferlet's `run` returned (its own words), not the host's
+    # a failed run that had reached one of its limits (host/runtime/limits.py, the KV quota): that
+    # limit's message. Its output so far is sound: `pie serve` answers it with finish_reason "length"
+    limit: str | None = None
 
     def to_json(self) -> dict:
         out = {"inferlet": self.inferlet, "model": self.model, "text": self.text, "token_ids": self.token_ids,
                "stats": self.stats}
         if not self.ok:
             out["error"] = self.error
+        if self.limit is not None:
+            out["limit"] = self.limit
         return out
 
 
@@ -122,11 +127,11 @@ class Runtime:
         now = time.perf_counter()
         for host, deadline, log_path, limits in live:
             if now > deadline:
-                host.cancel(f"the inferlet exceeded its wall-time limit of {limits.wall_time_s:g} s "
-                            f"({flag('wall_time_s')})")
+                host.cancel(host.reached(f"the inferlet exceeded its wall-time limit of {limits.wall_time_s:g} s "
+                                         f"({flag('wall_time_s')})"))
             elif log_path is not None and _size(log_path) > limits.log_bytes:
-                host.cancel(f"the inferlet wrote more than {limits.log_bytes} bytes to stdout/stderr "
-                            f"({flag('log_bytes')})")
+                host.cancel(host.reached(f"the inferlet wrote more than {limits.log_bytes} bytes to stdout/stderr "
+                                         f"({flag('log_bytes')})"))
 
     def cancel(self, handle: "RunHandle", reason: str = "the run was cancelled") -> None:
         """End a running instance (see RunHandle.cancel); a finished one is left as it is."""
@@ -261,7 +266,8 @@ class Runtime:
         wall = time.perf_counter() - t0
         return RunResult(
             inferlet=name, model=self.engine.info.name, ok=error is None, error=error, text=text,
-            token_ids=list(host.token_ids), stats=self._stats(host, wall), log=log, returned=returned)
+            token_ids=list(host.token_ids), stats=self._stats(host, wall), log=log, returned=returned,
+            limit=host.limit_hit if error is not None else None)
 
     def _instantiate_and_run(self, component, host: InstanceHost, limits: Limits, log_path: Path) -> None:
         store = wasmtime.Store(self.wasm_engine)
@@ -297,11 +303,13 @@ class Runtime:
         if host.fatal is not None:
             return host.fatal
         if "interrupt" in text:
-            return f"the inferlet exceeded its CPU-time limit of {limits.cpu_time_s:g} s and was stopped"
+            return host.reached(f"the inferlet exceeded its CPU-time limit of {limits.cpu_time_s:g} s and was stopped")
         if "MemoryError" in guest_log or "memory" in text.lower() and "out of bounds" not in text:
-            return f"the inferlet exceeded its memory limit of {limits.memory_bytes >> 20} MiB and was stopped"
+            return host.reached(f"the inferlet exceeded its memory limit of {limits.memory_bytes >> 20} MiB and was "
+                                "stopped")
         if "resource limit exceeded" in text:  # a store limit: too many tables, elements, instances
-            return f"the inferlet exceeded a store limit and was stopped: {text.strip().splitlines()[0]}"
+            return host.reached(f"the inferlet exceeded a store limit and was stopped: "
+                                f"{text.strip().splitlines()[0]}")
         return f"the inferlet trapped: {_trap_detail(guest_log, text)}"
 
     def _stats(self, host: InstanceHost, wall: float) -> dict:

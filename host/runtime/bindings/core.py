@@ -61,6 +61,7 @@ class Instance(Output):
         self.handles: dict[int, object] = {}
         self._next_handle = 1
         self.fatal: str | None = None  # why the host ended the instance: "code: message"
+        self.limit_hit: str | None = None  # the first of its limits it reached (RunResult.limit)
         self.fatal_trace = ""  # the traceback of a host bug, added to the run's log
         self._link = _Link()
         super().__init__(engine, self.limits.output_bytes, on_text)
@@ -141,11 +142,18 @@ class Instance(Output):
     def _over_cpu(self) -> bool:
         """Past a time budget, or cancelled: the instance is marked to end (fatal)."""
         if self.fatal is None and self.guest_time_s >= self.cpu_time_s:
-            self.fatal = f"the inferlet exceeded its CPU-time limit of {self.cpu_time_s:g} s and was stopped"
+            self.fatal = self.reached(f"the inferlet exceeded its CPU-time limit of {self.cpu_time_s:g} s and was "
+                                      "stopped")
         if self.fatal is None and self.loop_time_s >= self.limits.compute_time_s:
-            self.fatal = (f"the inferlet exceeded its compute-time limit of {self.limits.compute_time_s:g} s "
-                          f"({flag('compute_time_s')}) and was stopped")
+            self.fatal = self.reached(f"the inferlet exceeded its compute-time limit of "
+                                      f"{self.limits.compute_time_s:g} s ({flag('compute_time_s')}) and was stopped")
         return self.fatal is not None
+
+    def reached(self, message: str) -> str:
+        """Note that a limit was reached (the first one is the run's `limit`); returns the message."""
+        if self.limit_hit is None:
+            self.limit_hit = message
+        return message
 
     def cancel(self, reason: str) -> None:
         """End the instance from any thread: its loops stop now, the guest at its next host call
@@ -210,6 +218,8 @@ class Instance(Output):
                 value = fn(*args)
                 return Variant("ok", value) if tagged else value
             except PieError as e:
+                if e.limit:
+                    self.reached(str(e))
                 rec = error_record(e)
                 detached(e)  # it may be kept (a loop's error): its frames hold the store
                 if tagged:
