@@ -52,9 +52,10 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     svc = _service(request)
-    plans = await svc.plan(request, body, [await svc.render_chat(body.messages)], body.token_limit())
-    return await _respond(request, Choices(svc, request, plans), ChatShape(svc.model, body.include_usage()),
-                          body.stream)
+    offered = body.offered()
+    plans = await svc.plan(request, body, [await svc.render_chat(body.messages, offered)], body.token_limit())
+    shape = ChatShape(svc.model, body.include_usage(), calling=offered is not None)
+    return await _respond(request, Choices(svc, request, plans), shape, body.stream)
 
 
 async def _respond(request: Request, choices: Choices, shape: CompletionShape | ChatShape, stream: bool):
@@ -87,15 +88,10 @@ async def _unless_gone(request: Request, work):
 async def _events(request: Request, choices: Choices, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:
     """The SSE stream. A client that disconnects cancels the request's task here, and leaving
     the choices' events early cancels their instances."""
-    began: set[int] = set()
     try:
         async for i, item in choices.events():
-            if i not in began:
-                began.add(i)
-                first = shape.first_chunk(i)
-                if first is not None:
-                    yield sse(first)
-            yield sse(shape.final_chunk(i, item) if isinstance(item, Ended) else shape.delta_chunk(i, item))
+            for chunk in shape.ends(i, item) if isinstance(item, Ended) else shape.deltas(i, item):
+                yield sse(chunk)
     except APIError as e:  # the response has begun: the error goes in the stream, as vLLM sends it
         failed_in_stream(request, e)
         yield sse(e.body())

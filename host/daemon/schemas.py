@@ -9,11 +9,14 @@ their neutral value (`NOT_HONOURED`): a request is never served as if they had n
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from .errors import BadRequest
+from . import tools
+from .tools import Tool, ToolCall
 
 
 # the inferlet arguments a completion sets from its own fields (the prompt comes templated: no --chat)
@@ -35,7 +38,7 @@ NOT_HONOURED: dict[str, tuple] = {
     "top_k": (0, -1), "min_p": (0,), "best_of": (1,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
     "echo": (False,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"),
-}
+}  # tools and tool_choice: chat completions take them (ChatRequest); the legacy completions do not
 
 
 class StreamOptions(BaseModel):
@@ -97,6 +100,11 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 
+    def constraint(self) -> Constraint | None:
+        """The grammar the output must follow, if any: the response_format's schema."""
+        schema = self.json_schema_text()
+        return None if schema is None else Constraint("--json-schema", "json-schema", schema, "response_format")
+
     def json_schema_text(self) -> str | None:
         """The JSON Schema the output must satisfy (OpenAI's response_format), or None for free text:
         `json_object` is any JSON object; `json_schema` carries {"name", "schema", "strict"}."""
@@ -118,6 +126,16 @@ class SamplingRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar a request's output must follow, as the constrained inferlet takes it."""
+
+    flag: str  # the inferlet's argument
+    kind: str  # the grammar engine's kind (host/grammar)
+    source: str
+    param: str  # the request field it came from, for errors
 
 
 def _short(value) -> str:
@@ -149,16 +167,41 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = ""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = ""  # None: an assistant turn that only called tools
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None  # none, auto, required, or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(none | auto | required, the function a named tool_choice names)."""
+        return tools.choice_mode(self.tools, self.tool_choice)
+
+    def offered(self) -> list[Tool] | None:
+        """The tools the model may call (none under tool_choice none)."""
+        return self.tools if self.tools and self.tool_mode()[0] != "none" else None
+
+    def constraint(self) -> Constraint | None:
+        mode, name = self.tool_mode()
+        if mode == "none" or not self.tools:
+            return super().constraint()
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise BadRequest("tools and a response_format cannot be combined yet; send one of them",
+                             param="response_format", code="unsupported_value")
+        lark = tools.grammar(self.tools, mode, name, self.parallel_tool_calls is not False)
+        return Constraint("--grammar", "lark", lark, "tools")
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

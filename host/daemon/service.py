@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from .limits import ServeLimits
 from .metrics import Metrics
 from .inferlets import Inferlet, Inferlets
 from .runs import Runs
-from .schemas import ChatMessage, SamplingRequest, utf8_len
+from . import tools
+from .schemas import ChatMessage, Constraint, SamplingRequest, utf8_len
+from .tools import Tool
 
 CONSTRAINED = "constrained-speculative-decoding"  # serves a response_format
 
@@ -82,18 +85,18 @@ class Service:
         except NotFound as e:  # a bad field of the request, as OpenAI reports one
             raise BadRequest(e.message, param="inferlet", code="inferlet_not_found") from None
 
-    async def constrained_inferlet(self, name: str | None, schema: str, owner: str | None = None) -> Inferlet:
-        """The inferlet that serves a response_format: constrained-speculative-decoding (or the one
-        the request names). The schema is compiled here (off the event loop: it may take a while),
-        so a bad one is a 400 before any work."""
+    async def constrained_inferlet(self, name: str | None, c: Constraint, owner: str | None = None) -> Inferlet:
+        """The inferlet that serves a constrained request: constrained-speculative-decoding (or the
+        one the request names). The grammar is compiled here (off the event loop: it may take a
+        while), so a bad one is a 400 before any work."""
         limit = self.config.limits.schema_bytes
-        if len(schema) > limit:  # json.dumps' ASCII: characters are bytes
-            raise BadRequest(f"response_format: the schema's {len(schema)} bytes of JSON exceed this server's "
-                             f"limit of {limit}", param="response_format")
+        if len(c.source) > limit:  # json.dumps' ASCII: characters are bytes
+            raise BadRequest(f"{c.param}: the grammar's {len(c.source)} bytes exceed this server's limit of {limit}",
+                             param=c.param)
         try:
-            await asyncio.to_thread(grammars_for(self.engine).compile, "json-schema", schema)
+            await asyncio.to_thread(grammars_for(self.engine).compile, c.kind, c.source)
         except GrammarError as e:
-            raise BadRequest(f"response_format: {e}", param="response_format") from None
+            raise BadRequest(f"{c.param}: {e}", param=c.param) from None
         return self.completion_inferlet(name or CONSTRAINED, owner)
 
     def check_model(self, name: str) -> None:
@@ -101,22 +104,36 @@ class Service:
             raise UnknownModel(f"the model {name!r} does not exist; this server serves {self.model!r}",
                                param="model")
 
-    async def render_chat(self, messages: list[ChatMessage]) -> str:
+    async def render_chat(self, messages: list[ChatMessage], offered: list[Tool] | None = None) -> str:
         """All messages in the model's chat template, with the assistant's turn opened. For one
         user message this is the text `--chat` renders inside the inferlet (the same bindings
         call), so the tokens match `pie run text-completion --chat`; for a conversation it keeps
-        the system message and earlier turns, which `--chat` on the last message would drop."""
+        the system message and earlier turns, which `--chat` on the last message would drop.
+        `offered`: the tools the model may call. A template with tool support renders them and
+        previous calls itself; for one without, tools.py's default rendering: the tools in the
+        system message, a previous turn's calls as the model writes them."""
         tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if not template:
             raise BadRequest(f"model {self.model} has no chat template; use /v1/completions", param="messages")
         if len(messages) > self.config.limits.messages:
             raise BadRequest(f"{len(messages)} messages exceed this server's limit of {self.config.limits.messages}",
                              param="messages")
-        # "developer" is OpenAI's newer name for the system role; templates know "system"
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-        self.check_prompt_bytes(sum(utf8_len(m["content"], "messages") for m in msgs), "messages")
+        native = "tool_calls" in template or "tools" in template
+        msgs = [_message(m, native) for m in messages]
+        kw = {}
+        if offered and native:
+            kw["tools"] = [t.model_dump(exclude_none=True) for t in offered]
+        elif offered:
+            head = tools.system_text(offered)
+            if msgs[0]["role"] == "system":
+                msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + head}
+            else:
+                msgs.insert(0, {"role": "system", "content": head})
+        self.check_prompt_bytes(sum(utf8_len(m.get("content") or "", "messages") for m in msgs), "messages")
         try:  # jinja is slow on long conversations: off the event loop
-            return await asyncio.to_thread(tok.apply_chat_template, msgs, tokenize=False, add_generation_prompt=True)
+            return await asyncio.to_thread(tok.apply_chat_template, msgs, tokenize=False, add_generation_prompt=True,
+                                           **kw)
         except Exception as e:  # jinja raises its own exceptions for conversations a template rejects
             raise BadRequest(f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -144,12 +161,12 @@ class Service:
                 self.check_prompt_bytes(utf8_len(p, "prompt"), "prompt")
             else:
                 self.check_prompt_ids(p)
-        schema = req.json_schema_text()
-        if schema is None:
+        c = req.constraint()
+        if c is None:
             inferlet = self.completion_inferlet(req.inferlet, owner_of(request))
         else:
-            inferlet = await self.constrained_inferlet(req.inferlet, schema, owner_of(request))
-        extra += [] if schema is None else ["--json-schema", schema]
+            inferlet = await self.constrained_inferlet(req.inferlet, c, owner_of(request))
+            extra += [c.flag, c.source]
         seed = req.seed if req.seed is not None else secrets.randbits(63)  # unseeded requests differ
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
@@ -202,6 +219,20 @@ class Plan:
     stops: list[str]
     prompt_index: int  # which prompt of a batch
     sample: int  # which of its n
+
+
+def _message(m: ChatMessage, native: bool) -> dict:
+    """One message as the template takes it. "developer" is OpenAI's newer name for the system
+    role; templates know "system"."""
+    role = "system" if m.role == "developer" else m.role
+    if not m.tool_calls:
+        return {"role": role, "content": m.text()}
+    if not native:  # the calls as the model writes them, after any text of the turn
+        return {"role": role, "content": "\n".join(filter(None, [m.text(), tools.render_calls(m.tool_calls)]))}
+    calls = [{"type": "function", "id": c.id, "function": {"name": c.function.name,
+                                                             "arguments": json.loads(c.function.arguments)}}
+             for c in m.tool_calls]
+    return {"role": role, "content": m.text(), "tool_calls": calls}
 
 
 def _longest_token_bytes(tokenizer, default: int) -> int:

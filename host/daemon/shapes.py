@@ -7,6 +7,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from . import tools
+
 
 @dataclass(frozen=True)
 class Ended:
@@ -58,37 +60,74 @@ class CompletionShape(_Shape):
     def _choice(self, index: int, text: str, end: Ended | None) -> dict:
         return _ended({"index": index, "text": text, "logprobs": None}, end)
 
-    def first_chunk(self, index: int) -> dict | None:
-        return None
+    def deltas(self, index: int, text: str) -> list[dict]:
+        """The chunks for choice `index`'s next text."""
+        return [self.chunk(self._choice(index, text, None))]
 
-    def delta_chunk(self, index: int, text: str) -> dict:
-        return self.chunk(self._choice(index, text, None))
-
-    def final_chunk(self, index: int, end: Ended) -> dict:
-        return self.chunk(self._choice(index, "", end))
+    def ends(self, index: int, end: Ended) -> list[dict]:
+        """The chunks that end choice `index`."""
+        return [self.chunk(self._choice(index, "", end))]
 
 
 class ChatShape(_Shape):
+    """`calling`: the request offered tools (tools.py), so an output that is calls is answered as
+    `tool_calls` with finish_reason "tool_calls". Streamed, a choice's calls come whole in one
+    delta once it ends (its text is held from its first character, which tells calls apart)."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, model: str, include_usage: bool = False, calling: bool = False):
+        super().__init__(model, include_usage)
+        self.calling = calling
+        self._began: set[int] = set()  # choices whose first chunk (the role) is out
+        self._began_text: set[int] = set()  # choices that have streamed some text
+        self._held: dict[int, list[str]] = {}  # the text of choices that are calls
+
     def response(self, choices: list[tuple[str, Ended]], usage: dict) -> dict:
-        out = [_ended({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None}, end)
-               for i, (text, end) in enumerate(choices)]
+        out = []
+        for i, (text, end) in enumerate(choices):
+            if self.calling and tools.is_call(text):
+                message = {"role": "assistant", "content": None, "tool_calls": tools.parse(text)}
+            else:
+                message = {"role": "assistant", "content": text}
+            out.append(_ended({"index": i, "message": message, "logprobs": None}, self._end(text, end)))
         return self._head(self.object) | {"choices": out, "usage": usage}
+
+    def _end(self, text: str, end: Ended) -> Ended:
+        """A choice of calls the grammar let finish ends with "tool_calls", as OpenAI's."""
+        if self.calling and end.finish_reason == "stop" and end.limit is None and tools.is_call(text):
+            return Ended("tool_calls")
+        return end
 
     def _choice(self, index: int, delta: dict, end: Ended | None) -> dict:
         return _ended({"index": index, "delta": delta, "logprobs": None}, end)
 
-    def first_chunk(self, index: int) -> dict:
-        return self.chunk(self._choice(index, {"role": "assistant", "content": ""}, None))
+    def _begin(self, index: int) -> list[dict]:
+        if index in self._began:
+            return []
+        self._began.add(index)
+        return [self.chunk(self._choice(index, {"role": "assistant", "content": ""}, None))]
 
-    def delta_chunk(self, index: int, text: str) -> dict:
-        return self.chunk(self._choice(index, {"content": text}, None))
+    def deltas(self, index: int, text: str) -> list[dict]:
+        out = self._begin(index)
+        if index in self._held or (self.calling and index not in self._began_text and tools.is_call(text)):
+            self._held.setdefault(index, []).append(text)
+        elif text:
+            out.append(self.chunk(self._choice(index, {"content": text}, None)))
+        if text:
+            self._began_text.add(index)
+        return out
 
-    def final_chunk(self, index: int, end: Ended) -> dict:
-        return self.chunk(self._choice(index, {}, end))
+    def ends(self, index: int, end: Ended) -> list[dict]:
+        out = self._begin(index)
+        text = "".join(self._held.pop(index, []))
+        if text:
+            calls = [{"index": k, **c} for k, c in enumerate(tools.parse(text))]
+            out.append(self.chunk(self._choice(index, {"tool_calls": calls} if calls else {"content": text}, None)))
+        out.append(self.chunk(self._choice(index, {}, self._end(text, end))))
+        return out
 
 
 def _ended(choice: dict, end: Ended | None) -> dict:
