@@ -225,9 +225,15 @@ DIST_PROMPT = [9, 13, 4, 7, 5, 9, 79, 63, 71, 55, 88, 33, 86, 32, 79, 63, 21, 79
 T, TOP_P, RUNS = 0.05, 0.95, 600
 
 
-def target_probs(logits):
-    """softmax(logits / T) restricted by top-p (written independently of the device op)."""
-    probs = torch.softmax(logits / T, -1)
+def target_probs(logits, top_k=0, min_p=0.0):
+    """softmax(logits / T) cut by top-k, then min-p, then top-p (written independently of the
+    device ops, in float64 on probabilities)."""
+    probs = torch.softmax(logits.double() / T, -1)
+    if top_k:
+        probs = torch.where(probs >= probs.topk(top_k).values[-1], probs, 0.0)
+    if min_p:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+    probs = probs / probs.sum()
     srt, order = probs.sort(descending=True)
     keep = (srt.cumsum(-1) - srt) < TOP_P
     out = torch.zeros_like(probs)
@@ -235,20 +241,21 @@ def target_probs(logits):
     return out / out.sum()
 
 
-def exact_pairs(ref, prompt):
+def exact_pairs(ref, prompt, **filters):
     with torch.inference_mode():
-        p1 = target_probs(ref(torch.tensor([prompt])).logits[0, -1])
+        p1 = target_probs(ref(torch.tensor([prompt])).logits[0, -1], **filters)
         firsts = p1.nonzero().flatten().tolist()
         l2 = ref(torch.tensor([prompt + [x] for x in firsts])).logits[:, -1]
-    return {(x, y): float(p1[x] * q) for x, row in zip(firsts, l2) for y, q in enumerate(target_probs(row)) if q > 0}
+    return {(x, y): float(p1[x] * q) for x, row in zip(firsts, l2) for y, q in enumerate(target_probs(row, **filters))
+            if q > 0}
 
 
-def sample_pairs(eng, verify=None):
+def sample_pairs(eng, verify=None, **filters):
     sched = Scheduler(eng)
     try:
         # max_tokens=3 lets the first window carry 2 drafts: both compared tokens go through the rule.
         runs = [start(sched, eng, DIST_PROMPT, seed=s, max_tokens=3, draft_len_max=3, lookup_window=16,
-                      temperature=T, top_p=TOP_P, verify=verify) for s in range(RUNS)]
+                      temperature=T, top_p=TOP_P, verify=verify, **filters) for s in range(RUNS)]
         stats = [fut.result(timeout=120) for _, _, _, fut in runs]
     finally:
         sched.close()
@@ -266,8 +273,11 @@ def chi_square_p(pairs, exact):
     big_cells = [c for c, q in exact.items() if q * n >= 5]
     obs = [counts.get(c, 0) for c in big_cells]
     exp = [exact[c] * n for c in big_cells]
-    obs.append(n - sum(obs))
-    exp.append(n - sum(exp))
+    if n - sum(exp) > 1e-6:  # the small cells together, where they hold any mass
+        obs.append(n - sum(obs))
+        exp.append(n - sum(exp))
+    elif n != sum(obs):
+        return 0.0  # draws outside cells that hold all the mass
     return chisquare(obs, exp).pvalue
 
 
@@ -289,6 +299,23 @@ def test_sampled_output_has_the_target_distribution(big):
     # The same test catches a rule that skips the p/q test.
     bad, _ = sample_pairs(eng, verify=accept_every_draft)
     assert chi_square_p(bad, exact) < 1e-6
+
+
+# issue 40: top-k and min-p are part of the one sampling rule, so verification sees the
+# distribution they shape; each cuts tokens the top-p nucleus alone keeps here
+@pytest.mark.parametrize("filters", [{"top_k": 2}, {"min_p": 0.1}])
+def test_sampled_output_under_top_k_and_min_p_has_their_distribution(big, filters):
+    eng, ref = big
+    exact, plain = exact_pairs(ref, DIST_PROMPT, **filters), exact_pairs(ref, DIST_PROMPT)
+    assert set(exact) < set(plain)  # the filter drops pairs the nucleus alone keeps
+    pairs, stats = sample_pairs(eng, **filters)
+    accepted = sum(s.accepted for s in stats)
+    assert 0 < accepted < sum(s.drafted for s in stats)
+    assert chi_square_p(pairs, exact) > 0.001
+    assert all(pr in exact for pr in pairs)  # nothing the filter cut is ever drawn
+    # sampled as if the filter were not there: told apart
+    unfiltered, _ = sample_pairs(eng)
+    assert not all(pr in exact for pr in unfiltered) or chi_square_p(unfiltered, exact) < 1e-6
 
 
 # --- the guest-side rule ------------------------------------------------------------

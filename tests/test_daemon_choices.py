@@ -190,3 +190,19 @@ def test_a_request_ended_by_a_limit_keeps_its_text_and_finishes_at_length(client
     assert "compute-time limit of 0.3 s (--compute-time)" in last.model_extra["limit"]
     assert 1 < n < 4000 and text == reference("--prompt", LONG, "--chat", "--max-tokens", str(n)).text
     served.wait_idle()
+
+
+@pytest.mark.parametrize("inferlet, extra", [(None, []), (None, ["--loop", "guest"]),
+                                             ("cacheback-speculative-decoding", [])])
+def test_top_k_and_min_p_shape_the_distribution(client, reference, inferlet, extra):
+    """Issue 40: top_k and min_p were ignored. top_k=1 and min_p=1 leave only the most likely
+    token, so a hot sample is the greedy text: through the device loop, the guest loop's host
+    sampler (create-filtered-sampler) and speculative verification alike."""
+    greedy = reference("--prompt", QUESTION, "--chat", "--max-tokens", "12").text
+    body = {"inferlet_args": extra} | ({"inferlet": inferlet} if inferlet else {})
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=1.5, seed=3)
+    for cut in ({"top_k": 1}, {"min_p": 1.0}):
+        out = client.chat.completions.create(extra_body=body | cut, **kw)
+        assert out.choices[0].message.content == greedy, cut
+    loose = client.chat.completions.create(extra_body=body | {"top_k": 50, "min_p": 0.01}, **kw)
+    assert loose.choices[0].message.content != greedy  # at temperature 1.5 the cut is what made them greedy

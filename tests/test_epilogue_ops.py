@@ -104,6 +104,19 @@ def test_softmax_topk_topp_exp_log_cast():
     assert torch.equal(got[5], X.to(torch.int64)) and torch.equal(got[6], (X > 0).float())
 
 
+@covers('min_p')
+def test_min_p():
+    """An entry survives when its probability is at least p times the top one's (ties with the top kept)."""
+    p = Program()
+    x = p.logits()
+    got = values(p, x.min_p(0.3), x.min_p(1.0), x.min_p(0.0), logits=X)
+    probs = torch.softmax(X.double(), -1)
+    keep = probs >= 0.3 * probs.max(-1, keepdim=True).values
+    assert torch.equal(got[0] == -torch.inf, ~keep) and torch.equal(got[0][keep], X[keep])
+    assert torch.equal(got[1] == -torch.inf, X < X.max(-1, keepdim=True).values)
+    assert torch.equal(got[2], X)
+
+
 @covers('index', 'slice', 'take', 'gather', 'concat', 'const', 'arange', 'full', 'size')
 def test_index_slice_take_gather_concat_const_arange_full_size():
     p = Program(readout=4, vocab=6)

@@ -20,7 +20,8 @@ from .tools import Tool, ToolCall
 
 
 # the inferlet arguments a completion sets from its own fields (the prompt comes templated: no --chat)
-SET_BY_REQUEST = frozenset({"--prompt", "--prompt-ids", "--chat", "--max-tokens", "--temperature", "--top-p", "--seed"})
+SET_BY_REQUEST = frozenset({"--prompt", "--prompt-ids", "--chat", "--max-tokens", "--temperature", "--top-p", "--top-k",
+                            "--min-p", "--seed"})
 
 
 def utf8_len(text: str, param: str) -> int:
@@ -35,7 +36,7 @@ def utf8_len(text: str, param: str) -> int:
 # field -> the values that ask for nothing (clients send them by default); any other value is 400
 NOT_HONOURED: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "top_k": (0, -1), "min_p": (0,), "best_of": (1,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
+    "best_of": (1,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
     "echo": (False,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"),
 }  # tools and tool_choice: chat completions take them (ChatRequest); the legacy completions do not
@@ -54,6 +55,9 @@ class SamplingRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)  # None: OpenAI's default, 1.0; 0 is greedy
     top_p: float | None = Field(None, gt=0, le=1)  # None: 1.0
+    # vLLM's sampling extensions, in the one sampling rule (temperature, top-k, min-p, top-p)
+    top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)  # None or 0: off
     seed: int | None = Field(None, ge=0, lt=2**64)  # the inferlet's seed is a u64
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)  # choices per prompt; None: 1

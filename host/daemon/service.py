@@ -187,6 +187,7 @@ class Service:
             given = ["--prompt", p] if isinstance(p, str) else ["--prompt-ids", ",".join(map(str, p))]
             for j in range(n):  # choice j of every prompt draws from seed + j: as n requests seeded so
                 args = [*given, "--max-tokens", str(most), "--temperature", repr(temperature), "--top-p", repr(top_p),
+                        "--top-k", str(max(req.top_k or 0, 0)), "--min-p", repr(req.min_p or 0.0),
                         "--seed", str((seed + j) % 2**64), *extra]
                 plans.append(Plan(inferlet, args, n_prompt, stops, i, j))
         return plans

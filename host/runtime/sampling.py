@@ -25,16 +25,20 @@ def greedy(logits: torch.Tensor, position: int) -> list[int]:
 
 
 class Sampler:
-    """softmax(logits / temperature) cut to the top-p nucleus; a pass's draws are keyed by the
-    sampler's seed and the position of the pass's first row (tensors.draw_seed)."""
+    """The one sampling rule (temperature, top-k, min-p, the top-p nucleus); a pass's draws are
+    keyed by the sampler's seed and the position of the pass's first row (tensors.draw_seed)."""
 
-    def __init__(self, temperature: float, top_p: float, seed: int):
+    def __init__(self, temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0):
         if not temperature >= 0:
             raise InvalidArgument(f"temperature {temperature} must be >= 0")
         if not 0 < top_p <= 1:
             raise InvalidArgument(f"top-p {top_p} must be in (0, 1]")
+        if not 0 <= min_p <= 1:
+            raise InvalidArgument(f"min-p {min_p} must be in [0, 1]")
         self.temperature = float(temperature)
         self.top_p = float(top_p)
+        self.top_k = int(top_k)
+        self.min_p = float(min_p)
         self.seed = int(seed)
 
     def sample(self, logits: torch.Tensor, position: int) -> list[int]:
@@ -42,4 +46,4 @@ class Sampler:
         if self.temperature == 0:
             return argmax(logits)
         u = uniforms(self.seed, position, Stream.SAMPLE, 0, list(logits.shape), logits.device)
-        return sample_logits(logits.float(), self.temperature, self.top_p, u).tolist()
+        return sample_logits(logits.float(), self.temperature, self.top_p, u, self.top_k, self.min_p).tolist()

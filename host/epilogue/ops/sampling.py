@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from host.epilogue.ir import Value
@@ -39,15 +41,14 @@ def _filter_infer(name):
         t.nonscalar(x, name)
         if name == "top_p" and not 0 < at["p"] <= 1:
             t.fail(f"top_p p={at['p']} must be in (0, 1]")
+        if name == "min_p" and not 0 <= at["p"] <= 1:
+            t.fail(f"min_p p={at['p']} must be in [0, 1]")
         return [Value("f32", x.shape)]
     return infer
 
 
 def _top_k(ctx, op, a):
-    x = a[0]
-    k = min(op.attrs["k"], x.shape[-1])
-    kth = x.topk(k, dim=-1).values[..., -1:]
-    return [x.masked_fill(x < kth, -torch.inf)]
+    return [top_k_filter(a[0], op.attrs["k"])]
 
 
 def top_p_filter(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -64,9 +65,28 @@ def _top_p(ctx, op, a):
     return [top_p_filter(a[0], op.attrs["p"])]
 
 
+def top_k_filter(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logits below the k-th largest of the last axis become -inf (ties with it are kept)."""
+    kth = x.topk(min(k, x.shape[-1]), dim=-1).values[..., -1:]
+    return x.masked_fill(x < kth, -torch.inf)
+
+
+def min_p_filter(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Logits whose probability is below p times the top one's become -inf: exp(x - max) < p,
+    compared on the logits (x < max + log p), so no softmax is needed and the top is always kept."""
+    if p <= 0:
+        return x
+    top = x.max(dim=-1, keepdim=True).values
+    return x.masked_fill(x < top + math.log(p), -torch.inf)
+
+
 define("top_k", F, args=1, attrs={"k": Attr("int", lo=1)}, infer=_filter_infer("top_k"), impl=_top_k,
        doc="`top_k(x: f32; k >= 1)`: over the last axis, entries below the k-th largest become -inf "
            "(ties with the k-th are kept).")
+define("min_p", F, args=1, attrs={"p": Attr("num")}, infer=_filter_infer("min_p"),
+       impl=lambda ctx, op, a: [min_p_filter(a[0], op.attrs["p"])],
+       doc="`min_p(x: f32 logits; 0 <= p <= 1)`: over the last axis, an entry whose probability is below p times "
+           "the most likely entry's becomes -inf (x < max(x) + log p); the top entry is always kept.")
 define("top_p", F, args=1, attrs={"p": Attr("num")}, infer=_filter_infer("top_p"), impl=_top_p,
        doc="`top_p(x: f32 logits; 0 < p <= 1)`: over the last axis, sorted by descending probability, an entry "
            "is dropped (-inf) when the entries ranked above it already hold probability >= p; the top entry is "
@@ -85,22 +105,35 @@ def _sample(ctx, op, a):
     return [exp_race(w, ctx.uniforms(Stream.SAMPLE, op.attrs["seed"], list(w.shape[1:])))]
 
 
-def sample_logits(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
-    """The one sampling rule, over the last axis: logits / temperature, the top-p nucleus, softmax,
-    and the exponential race on uniforms `u` (logits' shape). The host's Sampler runs it; a
-    traced `p.sample(logits, temperature, top_p=...)` is the same ops in the same order, so a
-    seeded guest-driven decode and a device loop draw the same tokens."""
+def filter_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """The one sampling rule's distribution, as logits over the last axis: logits / temperature,
+    then top-k (0: off), min-p (0: off), the top-p nucleus (1: off); its softmax is what a token is
+    drawn from. A traced `p.filtered(...)` (and so `p.sample` and speculative verification) is
+    the same ops in the same order."""
     x = logits if temperature == 1.0 else logits / torch.tensor(temperature, dtype=logits.dtype)
+    if top_k > 0:
+        x = top_k_filter(x, top_k)
+    if min_p > 0:
+        x = min_p_filter(x, min_p)
     if top_p < 1.0:
         x = top_p_filter(x, top_p)
-    return exp_race(softmax(x), u)
+    return x
+
+
+def sample_logits(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor, top_k: int = 0,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """The one sampling rule: filter_logits, softmax, and the exponential race on uniforms `u`
+    (logits' shape). The host's Sampler runs it; a traced `p.sample(...)` is the same ops in the
+    same order, so a seeded guest-driven decode and a device loop draw the same tokens."""
+    return exp_race(softmax(filter_logits(logits, temperature, top_p, top_k, min_p)), u)
 
 
 define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, impl=_sample,
        doc="`sample(w: f32 [..., V]; seed=0)` -> i64 [...]: index i with probability w_i / sum(w) over the last "
-           "axis (w >= 0, need not be normalised); -1 if no w_i > 0. Temperature, top-k and top-p are composed "
-           "from the ops above (the tracer's `p.sample(logits, temperature, top_k, top_p, seed)` does it in that "
-           "order).")
+           "axis (w >= 0, need not be normalised); -1 if no w_i > 0. Temperature, top-k, min-p and top-p are "
+           "composed from the ops above (the tracer's `p.sample(logits, temperature, top_k, top_p, seed, min_p)` "
+           "does it in that order).")
 
 
 define("rand", F, args=0, attrs={"shape": Attr("dims"), "seed": SEED},

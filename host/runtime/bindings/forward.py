@@ -34,6 +34,7 @@ class ForwardCalls:
         inst = self.inst
         return {
             "create-sampler": self.create_sampler,
+            "create-filtered-sampler": self.create_filtered_sampler,
             "release-sampler": lambda s: inst._release(s, Sampler, "sampler"),
             "execute": self.execute,
             "register-epilogue": self.register_epilogue,
@@ -46,6 +47,14 @@ class ForwardCalls:
         f32(top_p, "top-p")
         u64(seed, "seed")
         return self.inst._new(lambda: Sampler(temperature, top_p, seed))
+
+    def create_filtered_sampler(self, temperature: float, top_p: float, top_k: int, min_p: float, seed: int) -> int:
+        f32(temperature, "temperature")
+        f32(top_p, "top-p")
+        u32(top_k, "top-k")
+        f32(min_p, "min-p")
+        u64(seed, "seed")
+        return self.inst._new(lambda: Sampler(temperature, top_p, seed, top_k, min_p))
 
     # ---- passes ------------------------------------------------------------------------
     def _pass(self, p: Record, rounds: int | None) -> tuple[Pass | DeviceLoop, Variant]:

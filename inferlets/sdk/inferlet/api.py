@@ -168,17 +168,22 @@ class StateGeometry:
 
 
 class Sampler:
-    """Temperature/top-p sampling on the host with its own seeded generator.
+    """Sampling on the host by the one sampling rule (temperature, top-k, min-p, top-p) with
+    its own seeded generator.
 
     temperature 0 is greedy (argmax): no host sampler is created.
     """
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
+                 min_p: float = 0.0):
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
         self.handle = None
-        if temperature > 0:
+        if temperature > 0 and (top_k or min_p):
+            self.handle = _call(_fw.create_filtered_sampler, float(temperature), float(top_p), int(top_k),
+                                float(min_p), int(seed))
+        elif temperature > 0:
             self.handle = _call(_fw.create_sampler, float(temperature), float(top_p), int(seed))
 
     def _kind(self):

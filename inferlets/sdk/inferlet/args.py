@@ -1,7 +1,8 @@
 """The standard generation arguments every generation inferlet accepts.
 
 --prompt TEXT or --prompt-ids 1,2,3 (the prompt's token ids, for a client that tokenized it),
---chat, --max-tokens N, --temperature T (0 = greedy), --top-p P, --seed S.
+--chat, --max-tokens N, --temperature T (0 = greedy), --top-p P, --top-k K (0: off), --min-p P
+(0: off), --seed S: the one sampling rule's fields (temperature, then top-k, min-p, top-p).
 A small hand-written parser: argparse would print and exit, which a guest cannot do well.
 """
 
@@ -18,6 +19,8 @@ class GenerationArgs:
         self.max_tokens = 32
         self.temperature = 0.0
         self.top_p = 1.0
+        self.top_k = 0  # 0: off
+        self.min_p = 0.0  # 0: off
         self.seed = 0
         self.extra = {}  # inferlet-specific --name value pairs
 
@@ -32,7 +35,7 @@ def _ids(text: str) -> list:
 _ids.__name__ = "comma-separated list of token ids"
 
 _TYPES = {"--prompt": ("prompt", str), "--prompt-ids": ("prompt_ids", _ids), "--max-tokens": ("max_tokens", int), "--temperature": ("temperature", float),
-          "--top-p": ("top_p", float), "--seed": ("seed", int)}
+          "--top-p": ("top_p", float), "--top-k": ("top_k", int), "--min-p": ("min_p", float), "--seed": ("seed", int)}
 
 
 def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:
@@ -76,4 +79,8 @@ def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:
         raise UsageError("--temperature must be >= 0")
     if not 0 < out.top_p <= 1:
         raise UsageError("--top-p must be in (0, 1]")
+    if out.top_k < 0:
+        raise UsageError("--top-k must be >= 0 (0: off)")
+    if not 0 <= out.min_p <= 1:
+        raise UsageError("--min-p must be in [0, 1] (0: off)")
     return out

@@ -13,7 +13,7 @@ def decode_program(args, eos_ids) -> str:
     p.channel("window", "i64", 1)
     logits = p.logits()
     if args.temperature > 0:
-        tok = p.sample(logits, temperature=args.temperature, top_p=args.top_p if args.top_p < 1 else None)
+        tok = p.sample(logits, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     else:
         tok = logits.argmax()
     p.put("out", tok)

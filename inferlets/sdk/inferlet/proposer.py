@@ -56,11 +56,17 @@ class Proposer:
         return []
 
 
-def _probs(row, temperature: float, top_p: float) -> list:
-    """softmax(row / temperature) kept to the smallest top set whose mass reaches top_p
-    (the same nucleus the host sampler uses); unnormalised is fine for verify."""
+def _probs(row, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> list:
+    """The one sampling rule's distribution, unnormalised (fine for verify): softmax(row /
+    temperature), then top-k (ties with the k-th kept), min-p (below min_p times the top one's
+    weight dropped), then the smallest top set whose mass reaches top_p, as the host's rule."""
     m = max(row)
     w = [math.exp((x - m) / temperature) for x in row]
+    if 0 < top_k < len(w):
+        kth = sorted(w, reverse=True)[top_k - 1]
+        w = [x if x >= kth else 0.0 for x in w]
+    if min_p > 0:  # the top weight is exp(0) = 1
+        w = [x if x >= min_p else 0.0 for x in w]
     if top_p < 1.0:
         total = sum(w)
         order = sorted(range(len(w)), key=w.__getitem__, reverse=True)
@@ -81,9 +87,10 @@ class _LazyRows:
     """Target distributions computed on first use: verify stops at the first rejection, so
     rows past it are never softmaxed."""
 
-    def __init__(self, flat, rows: int, vocab: int, temperature: float, top_p: float):
+    def __init__(self, flat, rows: int, vocab: int, temperature: float, top_p: float, top_k: int = 0,
+                 min_p: float = 0.0):
         self._flat, self._rows, self._vocab = flat, rows, vocab
-        self._t, self._p = temperature, top_p
+        self._t, self._p, self._k, self._min_p = temperature, top_p, top_k, min_p
         self._cache = {}
 
     def __len__(self):
@@ -91,7 +98,8 @@ class _LazyRows:
 
     def __getitem__(self, i):
         if i not in self._cache:
-            self._cache[i] = _probs(self._flat[i * self._vocab:(i + 1) * self._vocab], self._t, self._p)
+            self._cache[i] = _probs(self._flat[i * self._vocab:(i + 1) * self._vocab], self._t, self._p, self._k,
+                                    self._min_p)
         return self._cache[i]
 
 
@@ -145,7 +153,8 @@ def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, 
                     n += 1
                 committed = drafts[:n] + [target[n]]
             else:
-                rows = _LazyRows(fp.logits(), len(window), model.vocab_size, args.temperature, args.top_p)
+                rows = _LazyRows(fp.logits(), len(window), model.vocab_size, args.temperature, args.top_p,
+                                 args.top_k, args.min_p)
                 committed = verify(drafts, dprobs, rows, rng)
                 n = len(committed) - 1
             # cut after the first EOS and at the budget, as plain decoding stops

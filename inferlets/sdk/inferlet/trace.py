@@ -115,6 +115,7 @@ class Value:
         return self.prog._op("softmax", [self], {"temperature": float(temperature), "axis": axis}, "f32")
     def top_k(self, k): return self.prog._op("top_k", [self], {"k": int(k)}, "f32")
     def top_p(self, p): return self.prog._op("top_p", [self], {"p": float(p)}, "f32")
+    def min_p(self, p): return self.prog._op("min_p", [self], {"p": float(p)}, "f32")
 
 
 _DIM_NAMES = {"window": "W", "readout": "R", "vocab": "V", "hidden": "H", "history": "N", "draft_depth": "K"}
@@ -315,16 +316,24 @@ class Program:
     def softmax(self, x, temperature=1.0, axis=-1):
         return x.softmax(temperature, axis)
 
-    def sample(self, logits, temperature=1.0, top_k=None, top_p=None, seed=0):
-        """Sample over the last axis of logits: temperature, then top-k, then top-p; seeded."""
-        if temperature <= 0:
-            return logits.argmax()
+    def filtered(self, logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
+        """The one sampling rule's distribution as logits (host/epilogue/ops/sampling.py
+        filter_logits): temperature > 0, then top-k, min-p and top-p, each off when None (or
+        0, 0, 1); its softmax is what a token is drawn from."""
         x = logits if temperature == 1.0 else logits / float(temperature)
-        if top_k is not None:
+        if top_k:
             x = x.top_k(top_k)
+        if min_p:
+            x = x.min_p(min_p)
         if top_p is not None and top_p < 1.0:
             x = x.top_p(top_p)
-        return self.sample_probs(x.softmax(), seed)
+        return x
+
+    def sample(self, logits, temperature=1.0, top_k=None, top_p=None, seed=0, min_p=None):
+        """Sample over the last axis of logits by the one sampling rule (`filtered`); seeded."""
+        if temperature <= 0:
+            return logits.argmax()
+        return self.sample_probs(self.filtered(logits, temperature, top_k, top_p, min_p).softmax(), seed)
 
     def sample_probs(self, probs, seed=0):
         """Sample an index over the last axis from non-negative weights."""
