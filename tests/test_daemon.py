@@ -220,7 +220,7 @@ def test_stop_cutter_holds_back_a_split_stop_string():
 # ---- errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"42": 5}),
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
     ("best_of", 2), ("logprobs", True), ("top_logprobs", 3), ("echo", True),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
 ])

@@ -206,3 +206,27 @@ def test_top_k_and_min_p_shape_the_distribution(client, reference, inferlet, ext
         assert out.choices[0].message.content == greedy, cut
     loose = client.chat.completions.create(extra_body=body | {"top_k": 50, "min_p": 0.01}, **kw)
     assert loose.choices[0].message.content != greedy  # at temperature 1.5 the cut is what made them greedy
+
+
+@pytest.mark.parametrize("inferlet, extra", [(None, []), (None, ["--loop", "guest"]),
+                                             ("cacheback-speculative-decoding", []), ("ngram-proposer", [])])
+def test_logit_bias_moves_greedy_and_sampled_choice(client, reference, served, inferlet, extra):
+    """Issue 40: logit_bias was ignored. +100 on one token makes it every greedy and sampled
+    choice; -100 on the greedy answer's first token makes the answer start otherwise."""
+    body = {"inferlet_args": extra} | ({"inferlet": inferlet} if inferlet else {})
+    kw = dict(model=MODEL, prompt=FRANCE, max_tokens=4)
+    tok = served.service.engine.tokenizer
+    favourite = tok.encode(" blue", add_special_tokens=False)[0]
+    for temperature in (0, 1.0):
+        out = client.completions.create(temperature=temperature, seed=1, extra_body=body | {
+            "logit_bias": {str(favourite): 100}}, **kw)
+        assert out.choices[0].text == tok.decode([favourite] * 4), temperature
+    first = reference("--prompt", FRANCE, "--max-tokens", "4").token_ids[0]
+    out = client.completions.create(temperature=0, extra_body=body | {"logit_bias": {str(first): -100}}, **kw)
+    assert tok.encode(out.choices[0].text, add_special_tokens=False)[0] != first
+
+
+def test_bad_logit_biases_are_400(http):
+    for bias, words in (({"abc": 1}, "not a token id"), ({"99999999": 1}, "not a token id"), ({"5": 101}, "outside")):
+        err = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": FRANCE, "logit_bias": bias}), 400)
+        assert err["param"] == "logit_bias" and words in err["message"]

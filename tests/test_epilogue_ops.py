@@ -117,6 +117,18 @@ def test_min_p():
     assert torch.equal(got[2], X)
 
 
+@covers('scatter_add')
+def test_scatter_add():
+    """A logit bias: each value added at its index in every row; repeats add up; outside [0, V) ignored."""
+    p = Program()
+    x = p.logits()
+    got = values(p, p.scatter_add(x, p.const([1, 5, 1, -1, 6]), p.const([0.5, -2.0, 0.25, 9.0, 9.0])), logits=X)
+    want = X.clone()
+    want[:, 1] += 0.75
+    want[:, 5] += -2.0
+    assert torch.equal(got[0], want)
+
+
 @covers('index', 'slice', 'take', 'gather', 'concat', 'const', 'arange', 'full', 'size')
 def test_index_slice_take_gather_concat_const_arange_full_size():
     p = Program(readout=4, vocab=6)

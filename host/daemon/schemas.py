@@ -21,7 +21,7 @@ from .tools import Tool, ToolCall
 
 # the inferlet arguments a completion sets from its own fields (the prompt comes templated: no --chat)
 SET_BY_REQUEST = frozenset({"--prompt", "--prompt-ids", "--chat", "--max-tokens", "--temperature", "--top-p", "--top-k",
-                            "--min-p", "--seed"})
+                            "--min-p", "--logit-bias", "--seed"})
 
 
 def utf8_len(text: str, param: str) -> int:
@@ -35,7 +35,7 @@ def utf8_len(text: str, param: str) -> int:
 
 # field -> the values that ask for nothing (clients send them by default); any other value is 400
 NOT_HONOURED: dict[str, tuple] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "best_of": (1,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
     "echo": (False,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"),
@@ -58,6 +58,24 @@ class SamplingRequest(BaseModel):
     # vLLM's sampling extensions, in the one sampling rule (temperature, top-k, min-p, top-p)
     top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off
     min_p: float | None = Field(None, ge=0, le=1)  # None or 0: off
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as text) -> a bias in [-100, 100]
+
+    def bias_arg(self, vocab: int) -> list[str]:
+        """--logit-bias for the inferlet, each id and bias checked."""
+        if not self.logit_bias:
+            return []
+        if len(self.logit_bias) > 300:  # OpenAI's bound
+            raise BadRequest(f"logit_bias holds {len(self.logit_bias)} entries; at most 300", param="logit_bias")
+        items = []
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise BadRequest(f"logit_bias: {key!r} is not a token id of the vocabulary [0, {vocab})",
+                                 param="logit_bias")
+            if not -100 <= value <= 100:
+                raise BadRequest(f"logit_bias: the bias {value} of token {key} is outside [-100, 100]",
+                                 param="logit_bias")
+            items.append(f"{int(key)}:{value!r}")
+        return ["--logit-bias", ",".join(items)]
     seed: int | None = Field(None, ge=0, lt=2**64)  # the inferlet's seed is a u64
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)  # choices per prompt; None: 1

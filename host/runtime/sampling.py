@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..epilogue.tensors import Stream, argmax as _argmax, uniforms
+from ..epilogue.ops.layout import scatter_add
 from ..epilogue.ops.sampling import sample_logits
 from ..errors import InvalidArgument
 
@@ -28,7 +29,8 @@ class Sampler:
     """The one sampling rule (temperature, top-k, min-p, the top-p nucleus); a pass's draws are
     keyed by the sampler's seed and the position of the pass's first row (tensors.draw_seed)."""
 
-    def __init__(self, temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0):
+    def __init__(self, temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0,
+                 bias: dict[int, float] | None = None):
         if not temperature >= 0:
             raise InvalidArgument(f"temperature {temperature} must be >= 0")
         if not 0 < top_p <= 1:
@@ -40,9 +42,15 @@ class Sampler:
         self.top_k = int(top_k)
         self.min_p = float(min_p)
         self.seed = int(seed)
+        self.bias = dict(sorted((bias or {}).items()))  # token id -> added to its logit, first
 
     def sample(self, logits: torch.Tensor, position: int) -> list[int]:
         """One id per row of `logits` [rows, V], the rows of a pass whose window starts at `position`."""
+        if self.bias:
+            rows = logits.shape[0]
+            idx = torch.tensor(list(self.bias), dtype=torch.int64, device=logits.device).expand(rows, -1)
+            val = torch.tensor(list(self.bias.values()), dtype=torch.float32, device=logits.device).expand(rows, -1)
+            logits = scatter_add(logits.float(), idx, val)
         if self.temperature == 0:
             return argmax(logits)
         u = uniforms(self.seed, position, Stream.SAMPLE, 0, list(logits.shape), logits.device)

@@ -13,7 +13,7 @@ from inferlet.world import generation_world
 
 
 def guest_loop(model, ws, prompt, args) -> None:
-    sampler = Sampler(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)
+    sampler = Sampler(args.temperature, args.top_p, args.seed, args.top_k, args.min_p, args.logit_bias)
     eos = set(model.eos_ids)
     window = prompt
     for _ in range(args.max_tokens):

@@ -113,6 +113,10 @@ def _f32(v):
     return float(v)
 
 
+def _bias(v):
+    return [(int(t), float(b)) for t, b in v]
+
+
 P = _plain
 # every import: its binding and how each JSON argument becomes a WIT value
 CALLS = {
@@ -140,7 +144,7 @@ CALLS = {
     "channels.close": (_ch.close, (P,)),
     "channels.release": (_ch.release, (P,)),
     "forward.create-sampler": (_fw.create_sampler, (_f32, _f32, P)),
-    "forward.create-filtered-sampler": (_fw.create_filtered_sampler, (_f32, _f32, P, _f32, P)),
+    "forward.create-filtered-sampler": (_fw.create_filtered_sampler, (_f32, _f32, P, _f32, _bias, P)),
     "forward.release-sampler": (_fw.release_sampler, (P,)),
     "forward.execute": (_fw.execute, (_pass,)),
     "forward.register-epilogue": (_fw.register_epilogue, (P, _bindings)),

@@ -141,6 +141,39 @@ define("gather", F, args=2, attrs=FILL, infer=_gather_infer, impl=_gather,
            "out-of-range indices give fill.")
 
 
+def _scatter_add_infer(t, av, at):
+    x, idx, val = av
+    t.need(x, "f32")
+    t.nonscalar(x, "scatter_add")
+    t.need(idx, "i64")
+    t.need(val, "f32")
+    t.rank(idx, 1)
+    if idx.shape != val.shape:
+        t.fail(f"shape mismatch: scatter_add needs as many values as indices, got {idx} and {val}")
+    return [Value("f32", x.shape)]
+
+
+def _scatter_add(ctx, op, a):
+    return [scatter_add(*a)]
+
+
+def scatter_add(x: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """x [B, ..., V] with val [B, n] added at idx [B, n] of the last axis in each of a batch row's
+    rows; indices outside [0, V) ignored. The one way a logit bias is added (the host's Sampler
+    too), so both give the same bits."""
+    n = x.shape[-1]
+    ok = (idx >= 0) & (idx < n)
+    delta = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
+    delta.scatter_add_(-1, idx.clamp(0, max(n - 1, 0)), val.masked_fill(~ok, 0.0))
+    return x + delta.view(x.shape[0], *([1] * (x.dim() - 2)), n)
+
+
+define("scatter_add", F, args=3, infer=_scatter_add_infer, impl=_scatter_add,
+       doc="`scatter_add(x: f32 [..., V], idx: i64 [n], val: f32 [n])`: x with val[j] added at index idx[j] of "
+           "the last axis, in every row (a logit bias); repeated indices add up, indices outside [0, V) are "
+           "ignored.")
+
+
 def _concat_infer(t, av, at):
     a, b = av
     if a.dtype != b.dtype:

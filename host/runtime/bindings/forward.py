@@ -8,6 +8,8 @@ loop (DeviceLoop) check the pass's shape; here only its values are converted.
 
 from __future__ import annotations
 
+import math
+
 from wasmtime.component import Record, Variant
 
 from ...engine import Fold, Pass
@@ -22,6 +24,13 @@ from .wit import any_value, case, f32, field, list_of, record, string, u32, u64
 FOLDS = ("all", "constant", "from-channel", "from-epilogue")
 KINDS = ("none", "argmax", "sample", "logits")
 TOKEN_CHANNELS = ("uint32", "int32")
+
+
+def _bias_pair(v, what: str) -> None:
+    if not isinstance(v, tuple) or len(v) != 2:
+        raise InvalidArgument(f"{what} must be a (token id, value) pair")
+    u32(v[0], f"the token id of {what}")
+    f32(v[1], f"the value of {what}")
 
 
 class ForwardCalls:
@@ -48,13 +57,23 @@ class ForwardCalls:
         u64(seed, "seed")
         return self.inst._new(lambda: Sampler(temperature, top_p, seed))
 
-    def create_filtered_sampler(self, temperature: float, top_p: float, top_k: int, min_p: float, seed: int) -> int:
+    def create_filtered_sampler(self, temperature: float, top_p: float, top_k: int, min_p: float, bias: list,
+                                seed: int) -> int:
         f32(temperature, "temperature")
         f32(top_p, "top-p")
         u32(top_k, "top-k")
         f32(min_p, "min-p")
         u64(seed, "seed")
-        return self.inst._new(lambda: Sampler(temperature, top_p, seed, top_k, min_p))
+        vocab = self.inst.engine.info.vocab_size
+        by_id = {}
+        for pair in list_of(bias, "bias", _bias_pair):
+            tok, value = pair
+            if tok >= vocab:
+                raise InvalidArgument(f"bias token id {tok} is outside the vocabulary [0, {vocab})")
+            if not math.isfinite(value):
+                raise InvalidArgument(f"the bias of token {tok} is {value}, not a finite number")
+            by_id[tok] = value
+        return self.inst._new(lambda: Sampler(temperature, top_p, seed, top_k, min_p, by_id))
 
     # ---- passes ------------------------------------------------------------------------
     def _pass(self, p: Record, rounds: int | None) -> tuple[Pass | DeviceLoop, Variant]:

@@ -171,18 +171,19 @@ class Sampler:
     """Sampling on the host by the one sampling rule (temperature, top-k, min-p, top-p) with
     its own seeded generator.
 
-    temperature 0 is greedy (argmax): no host sampler is created.
+    temperature 0 is greedy (argmax): no host sampler is created, unless a logit bias needs one.
     """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
-                 min_p: float = 0.0):
+                 min_p: float = 0.0, logit_bias=None):
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
         self.handle = None
-        if temperature > 0 and (top_k or min_p):
+        if logit_bias or (temperature > 0 and (top_k or min_p)):  # a bias changes greedy choice too
+            bias = [(int(t), float(b)) for t, b in sorted((logit_bias or {}).items())]
             self.handle = _call(_fw.create_filtered_sampler, float(temperature), float(top_p), int(top_k),
-                                float(min_p), int(seed))
+                                float(min_p), bias, int(seed))
         elif temperature > 0:
             self.handle = _call(_fw.create_sampler, float(temperature), float(top_p), int(seed))
 

@@ -2,7 +2,8 @@
 
 --prompt TEXT or --prompt-ids 1,2,3 (the prompt's token ids, for a client that tokenized it),
 --chat, --max-tokens N, --temperature T (0 = greedy), --top-p P, --top-k K (0: off), --min-p P
-(0: off), --seed S: the one sampling rule's fields (temperature, then top-k, min-p, top-p).
+(0: off), --logit-bias ID:B,ID:B, --seed S: the one sampling rule's fields (the logit bias, then
+temperature, top-k, min-p, top-p; the bias applies to greedy choice too).
 A small hand-written parser: argparse would print and exit, which a guest cannot do well.
 """
 
@@ -21,6 +22,7 @@ class GenerationArgs:
         self.top_p = 1.0
         self.top_k = 0  # 0: off
         self.min_p = 0.0  # 0: off
+        self.logit_bias = {}  # token id -> a value added to its logit, before everything else
         self.seed = 0
         self.extra = {}  # inferlet-specific --name value pairs
 
@@ -34,8 +36,23 @@ def _ids(text: str) -> list:
 
 _ids.__name__ = "comma-separated list of token ids"
 
+
+def _bias(text: str) -> dict:
+    out = {}
+    for item in text.split(","):
+        tok, _, value = item.partition(":")
+        v = float(value)
+        if int(tok) < 0 or v != v or v in (float("inf"), float("-inf")):
+            raise ValueError(text)
+        out[int(tok)] = v
+    return out
+
+
+_bias.__name__ = "comma-separated list of ID:BIAS (finite biases)"
+
 _TYPES = {"--prompt": ("prompt", str), "--prompt-ids": ("prompt_ids", _ids), "--max-tokens": ("max_tokens", int), "--temperature": ("temperature", float),
-          "--top-p": ("top_p", float), "--top-k": ("top_k", int), "--min-p": ("min_p", float), "--seed": ("seed", int)}
+          "--top-p": ("top_p", float), "--top-k": ("top_k", int), "--min-p": ("min_p", float),
+          "--logit-bias": ("logit_bias", _bias), "--seed": ("seed", int)}
 
 
 def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:

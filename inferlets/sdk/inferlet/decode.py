@@ -11,7 +11,7 @@ def decode_program(args, eos_ids) -> str:
     p = Program(readout=1)
     p.channel("out", "i64", args.max_tokens)
     p.channel("window", "i64", 1)
-    logits = p.logits()
+    logits = p.biased(p.logits(), args.logit_bias)
     if args.temperature > 0:
         tok = p.sample(logits, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     else:

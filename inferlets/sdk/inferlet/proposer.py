@@ -36,6 +36,7 @@ Output is cut after the first EOS and at --max-tokens exactly as plain decoding 
 
 import math
 import random
+import struct
 
 from .api import ForwardPass, StateGeometry, emit
 from .speculative import verify
@@ -54,6 +55,26 @@ class Proposer:
         decodes one token), or (tokens, probs) where probs[i] is the distribution over the
         vocabulary token i was drawn from; without probs a draft counts as certain (one-hot)."""
         return []
+
+
+def _biased(row, bias) -> list:
+    """The row with the logit bias added (in float32, as the host adds it)."""
+    if not bias:
+        return row
+    row = list(row)
+    for t, b in bias.items():
+        if 0 <= t < len(row):
+            row[t] = _f32(row[t] + _f32(b))
+    return row
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _argmax(row) -> int:
+    """The first of the largest, as the host's argmax."""
+    return max(range(len(row)), key=row.__getitem__)
 
 
 def _probs(row, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> list:
@@ -88,8 +109,8 @@ class _LazyRows:
     rows past it are never softmaxed."""
 
     def __init__(self, flat, rows: int, vocab: int, temperature: float, top_p: float, top_k: int = 0,
-                 min_p: float = 0.0):
-        self._flat, self._rows, self._vocab = flat, rows, vocab
+                 min_p: float = 0.0, bias=None):
+        self._flat, self._rows, self._vocab, self._bias = flat, rows, vocab, bias
         self._t, self._p, self._k, self._min_p = temperature, top_p, top_k, min_p
         self._cache = {}
 
@@ -98,8 +119,8 @@ class _LazyRows:
 
     def __getitem__(self, i):
         if i not in self._cache:
-            self._cache[i] = _probs(self._flat[i * self._vocab:(i + 1) * self._vocab], self._t, self._p, self._k,
-                                    self._min_p)
+            row = _biased(self._flat[i * self._vocab:(i + 1) * self._vocab], self._bias)
+            self._cache[i] = _probs(row, self._t, self._p, self._k, self._min_p)
         return self._cache[i]
 
 
@@ -146,7 +167,14 @@ def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, 
                 dprobs = dprobs[:len(drafts)]
             window = [t0] + drafts
             fp = ForwardPass(ws, window, StateGeometry(len(window), fold=0), readout=list(range(len(window))))
-            if greedy:
+            if greedy and args.logit_bias:  # the host's argmax knows no bias: the guest's, over biased rows
+                flat, V = fp.logits(), model.vocab_size
+                target = [_argmax(_biased(flat[i * V:(i + 1) * V], args.logit_bias)) for i in range(len(window))]
+                n = 0
+                while n < len(drafts) and drafts[n] == target[n]:
+                    n += 1
+                committed = drafts[:n] + [target[n]]
+            elif greedy:
                 target = fp.tokens()
                 n = 0
                 while n < len(drafts) and drafts[n] == target[n]:
@@ -154,7 +182,7 @@ def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, 
                 committed = drafts[:n] + [target[n]]
             else:
                 rows = _LazyRows(fp.logits(), len(window), model.vocab_size, args.temperature, args.top_p,
-                                 args.top_k, args.min_p)
+                                 args.top_k, args.min_p, args.logit_bias)
                 committed = verify(drafts, dprobs, rows, rng)
                 n = len(committed) - 1
             # cut after the first EOS and at the budget, as plain decoding stops

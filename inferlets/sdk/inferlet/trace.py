@@ -296,6 +296,19 @@ class Program:
         """Along the last axis: out[..., j] = x[..., idx[..., j]]."""
         return self._op("gather", [x, idx], {} if fill is None else {"fill": fill}, x.dtype)
 
+    def scatter_add(self, x, idx, val):
+        """x with val[j] added at idx[j] of the last axis, in every row."""
+        return self._op("scatter_add", [x, idx, val], {}, "f32")
+
+    def biased(self, logits, bias=None):
+        """logits with a logit bias ({token id: value}) added, the one sampling rule's first step
+        (it applies to greedy choice too); unchanged without one."""
+        if not bias:
+            return logits
+        ids = sorted(bias)
+        return self.scatter_add(logits, self.const([int(i) for i in ids], "i64"),
+                                self.const([float(bias[i]) for i in ids], "f32"))
+
     def concat(self, a, b, axis=0):
         return self._op("concat", [a, b], {"axis": axis}, a.dtype)
 
