@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from test_daemon import LONG, QUESTION, Served, _error, _metrics, _requests
+from test_daemon import LONG, QUESTION, Served, _error, _metrics, _requests, reference  # noqa: F401 (fixture)
 from wasm_fixtures import *  # noqa: F401,F403
 
 pytestmark = [pytest.mark.model, pytest.mark.wasm]
@@ -33,19 +33,6 @@ def client(served):
 def http(served):
     with httpx.Client(base_url=served.url, timeout=120) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference(runtime, text_completion_wasm):
-    cache = {}
-
-    def run(*args):
-        if args not in cache:
-            res = runtime.run(text_completion_wasm, list(args))
-            assert res.ok, res.error
-            cache[args] = res
-        return cache[args]
-    return run
 
 
 PROMPTS = [FRANCE, QUESTION, "Once upon a time"]
