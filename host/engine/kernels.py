@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / f for f in ("module.cpp", "paged_attention.cpp", "layer_stack.cpp", "skinny_linear.cpp",
-                                                          "row_ops.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / f for f in ("module.cpp", "paged_attention.cpp", "layer_stack.cpp",
+                                                          "skinny_linear.cpp", "block_linear.cpp", "row_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own pool
 
 
@@ -84,13 +84,18 @@ def layer_stack() -> Callable | None:
 class SkinnyOps(NamedTuple):
     pack: Callable  # weight [N, K] -> its blocks
     linear: Callable  # (x [rows, K], blocks, bias or None, N) -> x @ weight.T + bias
+    block: int  # output columns of one block (the target's registers)
+    block_linear: Callable  # (x, packed file blocks, ggml type, bias or None, N) -> x @ weight.T + bias
+    block_dense: Callable  # (packed file blocks, ggml type, N) -> weight [N, K] float32
+    block_gather: Callable  # (packed file blocks, ggml type, N, ids [T]) -> weight[ids] [T, K] float32
 
 
 @functools.cache
 def skinny() -> SkinnyOps | None:
-    """The few-row product (csrc/skinny_linear.cpp), or None."""
+    """The few-row products (csrc/skinny_linear.cpp, csrc/block_linear.cpp), or None."""
     mod = _module()
-    return SkinnyOps(mod.skinny_pack, mod.skinny_linear) if mod is not None else None
+    return None if mod is None else SkinnyOps(mod.skinny_pack, mod.skinny_linear, mod.skinny_block(), mod.block_linear,
+                                              mod.block_dense, mod.block_gather)
 
 
 class RowOps(NamedTuple):

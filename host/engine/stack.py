@@ -82,7 +82,7 @@ class LayerStack:
         if self.native is not None:
             norms = [w for ly in self.layers for w in (ly.norm1, ly.norm2)]
             self._native_args = [norms, [p.skinny for p in products], [p.blocked for p in products],
-                                 [p.bias for p in products]]
+                                 [0] * len(products), [p.bias for p in products]]
         self._scaling = [ly.scaling for ly in self.layers]
 
     @classmethod
@@ -125,7 +125,7 @@ class LayerStack:
                 and len(meta.groups) == 1 and g.passes is not None):
             if g.plan is None:
                 g.plan = attention.kernel_plan(g, x.device)
-            return self.native(x, cos, sin, *self._native_args, linear.SKINNY_ROWS, final, kv,
+            return self.native(x, cos, sin, *self._native_args, linear.SKINNY_ROWS, linear.PACK_ROWS, final, kv,
                                meta.slot_mapping, *g.plan, self._scaling, self.eps, h, kvh, self.inter)
         q_end, k_end = h * hd, (h + kvh) * hd
         if rows is not None:  # the CPU kernels' steps, the C++ loop's calls

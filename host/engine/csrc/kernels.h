@@ -13,8 +13,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
 
 std::tuple<at::Tensor, at::Tensor> layer_stack(
     at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& norms,
-    const std::vector<at::Tensor>& skinny, const std::vector<at::Tensor>& blocked,
-    const std::vector<std::optional<at::Tensor>>& biases, int64_t skinny_rows, at::Tensor final_norm, at::Tensor kv,
+    const std::vector<at::Tensor>& skinny, const std::vector<at::Tensor>& blocked, const std::vector<int64_t>& formats,
+    const std::vector<std::optional<at::Tensor>>& biases, int64_t skinny_rows, int64_t pack_rows, at::Tensor final_norm, at::Tensor kv,
     at::Tensor slot_mapping, at::Tensor ctx, int64_t base, at::Tensor starts, at::Tensor windows,
     at::Tensor frozen, const std::vector<double>& scaling, double eps, int64_t heads, int64_t kv_heads,
     int64_t inter);
@@ -22,6 +22,15 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
 at::Tensor skinny_pack(at::Tensor weight);
 
 at::Tensor skinny_linear(at::Tensor x, at::Tensor packed, const std::optional<at::Tensor>& bias, int64_t n);
+
+int64_t skinny_block();
+
+at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t format, const std::optional<at::Tensor>& bias,
+                        int64_t n);
+
+at::Tensor block_dense(at::Tensor packed, int64_t format, int64_t n);
+
+at::Tensor block_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids);
 
 std::tuple<at::Tensor, at::Tensor> residual_norm(at::Tensor x, const std::optional<at::Tensor>& delta,
                                                        at::Tensor weight, double eps);

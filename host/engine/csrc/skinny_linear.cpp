@@ -14,6 +14,7 @@
 // draft head's read from a bfloat16 checkpoint): half the bytes to read, each widened to the same
 // float32 exactly, so the product has the same bits as over the float32 blocks.
 #include "kernels.h"
+#include "skinny.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -30,18 +31,7 @@ namespace {
 
 using namespace pie;
 
-// Row tiles sized to the target's registers (vec.h's vf is one): GCC keeps an array of vectors
-// in registers only when every index is known at compile time, hence the row-count template.
-#if defined(__AVX512F__)
-constexpr int kVecs = 4;  // a block is 64 columns
-constexpr int kRows = 6;  // 24 accumulators of 32 registers
-#else
-constexpr int kVecs = 1;   // a block is 8 columns
-constexpr int kRows = 12;  // 12 accumulators of 16 registers
-#endif
-
-constexpr int64_t kBlock = kLanes * kVecs;  // output columns a block holds
-constexpr int64_t kPrefetch = 1024;         // weights ahead: 4 KiB of float32, 2 KiB of bfloat16
+constexpr int64_t kPrefetch = 1024;  // weights ahead: 4 KiB of float32, 2 KiB of bfloat16
 
 // the dtypes blocks hold: skinny_pack takes a weight of one, skinny_linear reads blocks of one
 inline bool block_dtype(const at::Tensor& t) {
@@ -111,6 +101,10 @@ void run_blocks(const W* wp, const float* xp, const float* bp, float* yp, int64_
   });
 }
 
+}  // namespace
+
+namespace pie {
+
 // An empty tensor on its own mapping, asked to be backed by 2 MiB pages (transparent huge pages
 // in "madvise" mode, the usual default): a pass streams every weight once, and on 4 KiB pages it
 // misses the TLB each 4 KiB while the prefetchers stop at each page's end. Where the kernel has
@@ -133,7 +127,9 @@ at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& optio
   return at::empty(sizes, options);
 }
 
-}  // namespace
+}  // namespace pie
+
+using namespace pie;
 
 at::Tensor skinny_pack(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() && block_dtype(weight),

@@ -1,0 +1,299 @@
+// y = x @ W^T + b over a weight kept in its file's block format (GGUF's Q8_0, Q4_0, Q4_1), CPU.
+//
+// The weight stays in its blocks: 32 weights along k share float16 scales, each weight a few
+// bits. blocks.py repacks them into skinny_linear's column blocks, [ceil(N / kBlock), K / 32,
+// bytes]: per group of 32 k, the kBlock columns' scales, then each k's kBlock quants side by side
+// (two 4-bit quants a byte: column c's low nibble, column c + kBlock / 2's high one). A pass
+// widens each k's quants in registers with gguf-py's own formulas (gguf/quants.py):
+//   Q8_0 d * q,   Q4_0 d * (q - 8),   Q4_1 d * q + m (one fused rounding: d * q is exact),
+// each product of a float16 scale and a small integer exact in float32, so every widened weight
+// is the float32 that gguf.dequantize gives, and the multiply-add chain over k is skinny_linear's:
+// the output has the bits of the float32 kernel over the dequantized weight, for any row count
+// and wherever the row sits (tests/test_block_linear.py).
+#include "kernels.h"
+#include "skinny.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using namespace pie;
+
+constexpr int64_t kGroup = 32;    // weights along k a block's scales cover
+constexpr int64_t kAhead = 4096;  // bytes the stream is prefetched ahead
+
+// kLanes float16 values as float32 (exact)
+inline vf halves(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vf v;
+  for (int l = 0; l < kLanes; ++l) {
+    c10::Half h;
+    std::memcpy(&h, p + 2 * l, 2);
+    v[l] = static_cast<float>(h);
+  }
+  return v;
+#endif
+}
+
+// kLanes int8 quants as float32
+inline vf signed_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  vf v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<float>(static_cast<int8_t>(p[l]));
+  return v;
+#endif
+}
+
+// one k's kBlock 4-bit quants (kBlock / 2 bytes), minus `offset`, as float32 vectors
+inline void nibbles(const uint8_t* p, int offset, vf* q) {
+#if defined(__AVX512F__)
+  static_assert(kVecs == 4, "two vectors of low nibbles, two of high");
+  const __m512i mask = _mm512_set1_epi32(0x0F), off = _mm512_set1_epi32(offset);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+    q[h] = (vf)_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, mask), off));
+    q[2 + h] = (vf)_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), off));
+  }
+#elif defined(__AVX2__)
+  static_assert(kVecs == 1, "one vector: four low nibbles, then four high");
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_set1_epi32(static_cast<int>(word)));  // bytes 0-3, twice
+  const __m256i shifted = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  q[0] = (vf)_mm256_cvtepi32_ps(
+      _mm256_sub_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(offset)));
+#else
+  for (int c = 0; c < kBlock; ++c) {
+    const int byte = p[c % (kBlock / 2)];
+    q[c / kLanes][c % kLanes] = static_cast<float>((c < kBlock / 2 ? byte & 0x0F : byte >> 4) - offset);
+  }
+#endif
+}
+
+// A format's group: its header (the columns' scales), then kGroup steps of kStep bytes.
+struct Q8_0 {
+  static constexpr int64_t kHeader = 2 * kBlock, kStep = kBlock;
+  static constexpr int kRowsMax = kVecs == 4 ? 5 : 10;  // accumulators + weights + scales in registers
+  static void scales(const uint8_t* h, vf* d, vf*) {
+    for (int j = 0; j < kVecs; ++j) d[j] = halves(h + 2 * kLanes * j);
+  }
+  static void weights(const uint8_t* p, const vf* d, const vf*, vf* w) {
+    for (int j = 0; j < kVecs; ++j) w[j] = d[j] * signed_bytes(p + kLanes * j);
+  }
+};
+
+struct Q4_0 {
+  static constexpr int64_t kHeader = 2 * kBlock, kStep = kBlock / 2;
+  static constexpr int kRowsMax = kVecs == 4 ? 5 : 10;
+  static void scales(const uint8_t* h, vf* d, vf*) {
+    for (int j = 0; j < kVecs; ++j) d[j] = halves(h + 2 * kLanes * j);
+  }
+  static void weights(const uint8_t* p, const vf* d, const vf*, vf* w) {
+    nibbles(p, 8, w);
+    for (int j = 0; j < kVecs; ++j) w[j] = d[j] * w[j];
+  }
+};
+
+struct Q4_1 {
+  static constexpr int64_t kHeader = 4 * kBlock, kStep = kBlock / 2;  // d for each column, then m
+  static constexpr int kRowsMax = kVecs == 4 ? 4 : 10;
+  static void scales(const uint8_t* h, vf* d, vf* m) {
+    for (int j = 0; j < kVecs; ++j) {
+      d[j] = halves(h + 2 * kLanes * j);
+      m[j] = halves(h + 2 * kBlock + 2 * kLanes * j);
+    }
+  }
+  static void weights(const uint8_t* p, const vf* d, const vf* m, vf* w) {
+    nibbles(p, 0, w);
+    for (int j = 0; j < kVecs; ++j) w[j] = fmadd(d[j], w[j], m[j]);
+  }
+};
+
+template <class F>
+constexpr int64_t group_bytes() {
+  return F::kHeader + kGroup * F::kStep;
+}
+
+// R rows of x times one column block over all K, into cols (<= kBlock) columns of y
+template <int R, class F>
+void block_tile(const uint8_t* __restrict w, const float* __restrict x, int64_t k, float* __restrict y,
+                int64_t y_stride, int64_t cols, const float* __restrict bias) {
+  vf acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = vf{};
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const uint8_t* gp = w + g * group_bytes<F>();
+    vf d[kVecs], m[kVecs];
+    F::scales(gp, d, m);
+    const uint8_t* qp = gp + F::kHeader;
+    const float* xg = x + g * kGroup;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      __builtin_prefetch(qp + i * F::kStep + kAhead);
+      vf wv[kVecs];
+      F::weights(qp + i * F::kStep, d, m, wv);
+      for (int r = 0; r < R; ++r) {
+        const float xv = xg[r * k + i];
+        for (int j = 0; j < kVecs; ++j) acc[r][j] = fmadd(wv[j], xv, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kBlock];
+    std::memcpy(out, acc[r], sizeof out);
+    if (bias != nullptr)
+      for (int64_t c = 0; c < cols; ++c) out[c] += bias[c];
+    std::memcpy(y + r * y_stride, out, cols * sizeof(float));
+  }
+}
+
+template <class F, int R = F::kRowsMax>
+void tile(int rows, const uint8_t* w, const float* x, int64_t k, float* y, int64_t y_stride, int64_t cols,
+          const float* bias) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile<F, R - 1>(rows, w, x, k, y, y_stride, cols, bias);
+  }
+  block_tile<R, F>(w, x, k, y, y_stride, cols, bias);
+}
+
+template <class F>
+void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t m, int64_t k, int64_t n,
+         int64_t blocks) {
+  const int64_t stride = (k / kGroup) * group_bytes<F>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
+      for (int64_t r = 0; r < m; r += F::kRowsMax)
+        tile<F>(static_cast<int>(std::min<int64_t>(F::kRowsMax, m - r)), wp + b * stride, xp + r * k, k,
+                yp + r * n + c0, n, cols, bp == nullptr ? nullptr : bp + c0);
+    }
+  });
+}
+
+// every widened weight of column block b, group g: out(c, i) for c < cols, i < kGroup
+template <class F, class Out>
+void widen_group(const uint8_t* gp, Out out) {
+  vf d[kVecs], m[kVecs];
+  F::scales(gp, d, m);
+  for (int64_t i = 0; i < kGroup; ++i) {
+    vf wv[kVecs];
+    F::weights(gp + F::kHeader + i * F::kStep, d, m, wv);
+    float w[kBlock];
+    std::memcpy(w, wv, sizeof w);
+    out(w, i);
+  }
+}
+
+template <class F>
+void dense(const uint8_t* wp, float* out, int64_t k, int64_t n, int64_t blocks) {
+  const int64_t groups = k / kGroup, stride = groups * group_bytes<F>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
+      for (int64_t g = 0; g < groups; ++g)
+        widen_group<F>(wp + b * stride + g * group_bytes<F>(), [&](const float* w, int64_t i) {
+          for (int64_t c = 0; c < cols; ++c) out[(c0 + c) * k + g * kGroup + i] = w[c];
+        });
+    }
+  });
+}
+
+template <class F>
+void gather(const uint8_t* wp, const int64_t* ids, int64_t count, float* out, int64_t k) {
+  const int64_t groups = k / kGroup, stride = groups * group_bytes<F>();
+  at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t t = i0; t < i1; ++t) {
+      const int64_t b = ids[t] / kBlock, c = ids[t] % kBlock;
+      for (int64_t g = 0; g < groups; ++g)
+        widen_group<F>(wp + b * stride + g * group_bytes<F>(),
+                       [&](const float* w, int64_t i) { out[t * k + g * kGroup + i] = w[c]; });
+    }
+  });
+}
+
+// ggml's type numbers (gguf-py's GGMLQuantizationType), as blocks.py names the formats
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+template <class Fn>
+void by_format(int64_t format, Fn fn) {
+  switch (format) {
+    case kQ8_0: return fn(Q8_0{});
+    case kQ4_0: return fn(Q4_0{});
+    case kQ4_1: return fn(Q4_1{});
+    default: TORCH_CHECK(false, "block format ", format, " has no kernel");
+  }
+}
+
+// the packed blocks' K and column-block count, checked against the format
+std::pair<int64_t, int64_t> check_blocks(const at::Tensor& packed, int64_t format, const char* who) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.device().is_cpu(),
+              who, ": the weight is blocks.py's packed uint8 blocks");
+  int64_t bytes = 0;
+  by_format(format, [&](auto f) { bytes = group_bytes<decltype(f)>(); });
+  TORCH_CHECK(packed.size(2) == bytes, who, ": format ", format, " groups are ", bytes, " bytes, not ",
+              packed.size(2));
+  return {packed.size(1) * kGroup, packed.size(0)};
+}
+
+}  // namespace
+
+int64_t skinny_block() { return kBlock; }
+
+at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t format, const std::optional<at::Tensor>& bias,
+                        int64_t n) {
+  RECORD_FUNCTION("pie::block_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "block_linear: x is CPU float32 [rows, K]");
+  const auto [k, blocks] = check_blocks(packed, format, "block_linear");
+  TORCH_CHECK(x.size(1) == k, "block_linear: x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "block_linear: ", n,
+              " outputs do not fit the weight's ", blocks, " blocks");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
+                                    bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "block_linear: bias is float32 [", n, "]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  by_format(format, [&](auto f) {
+    run<decltype(f)>(packed.data_ptr<uint8_t>(), xc.data_ptr<float>(), bp, y.data_ptr<float>(), x.size(0), k, n,
+                     blocks);
+  });
+  return y;
+}
+
+at::Tensor block_dense(at::Tensor packed, int64_t format, int64_t n) {
+  const auto [k, blocks] = check_blocks(packed, format, "block_dense");
+  TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "block_dense: ", n, " rows do not fit");
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  by_format(format, [&](auto f) { dense<decltype(f)>(packed.data_ptr<uint8_t>(), out.data_ptr<float>(), k, n, blocks); });
+  return out;
+}
+
+at::Tensor block_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids) {
+  const auto [k, blocks] = check_blocks(packed, format, "block_gather");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(),
+              "block_gather: ids are CPU int64 [T]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < idc.size(0); ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "block_gather: id ", ip[t], " is outside the ", n, " rows");
+  at::Tensor out = at::empty({idc.size(0), k}, at::kFloat);
+  by_format(format, [&](auto f) { gather<decltype(f)>(packed.data_ptr<uint8_t>(), ip, idc.size(0), out.data_ptr<float>(), k); });
+  return out;
+}

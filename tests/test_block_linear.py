@@ -1,0 +1,108 @@
+"""Products over GGUF blocks (host/engine/csrc/block_linear.cpp, host/engine/blocks.py): for
+each format, random blocks, extreme and subnormal scales included, give the bits of
+`gguf.quants.dequantize` followed by the float32 kernel, for every row count 1..40."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from host.engine import blocks, kernels
+
+FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    k = kernels.skinny()
+    assert k is not None, "the CPU kernels should build here (make's set-up builds them)"
+    return k
+
+
+def random_blocks(kind: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, row bytes] of random blocks: random quants, and float16 scales drawn from subnormal,
+    tiny, ordinary and near-largest magnitudes of both signs (never inf or NaN)."""
+    rng = np.random.default_rng(seed)
+    fmt = blocks.FORMATS[kind]
+    raw = rng.integers(0, 256, size=(n, k // 32, fmt.block_bytes), dtype=np.uint8)
+    picks = np.array([0x0001, 0x03FF, 0x0400, 0x1C00, 0x3C00, 0x2E66, 0x7BFF, 0x0000], dtype=np.uint16)
+    for s in range(fmt.scales):
+        bits = rng.integers(0, 0x7C00, size=(n, k // 32), dtype=np.uint16)  # any finite magnitude
+        chosen = rng.random((n, k // 32)) < 0.5
+        bits[chosen] = rng.choice(picks, size=int(chosen.sum()))
+        bits |= (rng.random((n, k // 32)) < 0.5).astype(np.uint16) << 15
+        raw[..., 2 * s:2 * s + 2] = bits[..., None].view(np.uint8).reshape(n, k // 32, 2)
+    return raw.reshape(n, -1)
+
+
+def dequantized(raw: np.ndarray, kind: T, k: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(raw.shape[0], k).astype(np.float32))
+
+
+def scaled_x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
+    # small enough that near-largest scales times 127 times K stay finite
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 1e-3
+
+
+@pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(200, 96), (64, 32), (7, 576)])
+def test_products_have_the_bits_of_the_dequantized_float32_kernel(ops, kind, n, k):
+    raw = random_blocks(kind, n, k)
+    dense = dequantized(raw, kind, k)
+    packed = blocks.repack(torch.from_numpy(raw), kind, ops.block)
+    reference = ops.pack(dense)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    x = scaled_x(40, k)
+    for rows in range(1, 41):
+        for b in (bias, None):
+            got = ops.block_linear(x[:rows], packed, kind, b, n)
+            want = ops.linear(x[:rows], reference, b, n)
+            assert torch.isfinite(want).all()
+            assert torch.equal(got, want), f"{kind.name}, {rows} rows"
+    whole = ops.block_linear(x, packed, kind, bias, n)
+    for r in range(40):  # a row's result does not depend on the rows around it
+        assert torch.equal(ops.block_linear(x[r:r + 1], packed, kind, bias, n)[0], whole[r])
+
+
+@pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
+def test_widened_weights_are_gguf_dequantize(ops, kind):
+    n, k = 150, 128
+    raw = random_blocks(kind, n, k, seed=3)
+    dense = dequantized(raw, kind, k)
+    packed = blocks.repack(torch.from_numpy(raw), kind, ops.block)
+    assert torch.equal(ops.block_dense(packed, kind, n), dense)
+    ids = torch.tensor([0, 149, 63, 64, 65, 7, 7])
+    assert torch.equal(ops.block_gather(packed, kind, n, ids), dense[ids])
+    assert torch.equal(blocks.dequantize(torch.from_numpy(raw), kind), dense)  # the kernel-less path
+
+
+@pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
+def test_blocks_that_gguf_py_quantized(ops, kind):
+    w = np.random.default_rng(4).standard_normal((96, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(w, kind)
+    dense = dequantized(raw, kind, 256)
+    packed = blocks.repack(torch.from_numpy(raw), kind, ops.block)
+    x = torch.randn(9, 256)
+    assert torch.equal(ops.block_linear(x, packed, kind, None, 96), ops.linear(x, ops.pack(dense), None, 96))
+
+
+def test_refusals(ops):
+    raw = random_blocks(T.Q8_0, 70, 64)
+    packed = blocks.repack(torch.from_numpy(raw), T.Q8_0, ops.block)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        ops.block_linear(x, packed, 12, None, 70)  # Q4_K
+    with pytest.raises(RuntimeError, match="groups are"):
+        ops.block_linear(x, packed, T.Q4_0, None, 70)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.block_linear(torch.randn(2, 32), packed, T.Q8_0, None, 70)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        ops.block_linear(x, packed, T.Q8_0, None, 300)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.block_gather(packed, T.Q8_0, 70, torch.tensor([70]))
+    with pytest.raises(ValueError, match="whole"):
+        blocks.repack(torch.zeros(4, 33, dtype=torch.uint8), T.Q8_0, ops.block)
+    assert ops.block_linear(torch.empty(0, 64), packed, T.Q8_0, None, 70).shape == (0, 70)
