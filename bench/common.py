@@ -44,12 +44,10 @@ def on_compute(fn, *args, **kwargs):
 
 def load_hf(engine):
     """A separate stock transformers instance of the engine's model, for the HF baselines."""
-    from transformers import AutoModelForCausalLM
-
     from host import store
 
-    path = store.read_record(engine.info.name).path
-    return on_compute(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype).to(engine.device).eval())
+    rec = store.read_record(engine.info.name)  # a GGUF import's blocks widened: the exact dequantized model
+    return on_compute(lambda: store.load_model(rec, str(engine.device), engine.dtype, keep_blocks=False).eval())
 
 
 class ProductPaths:

@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=3, help="chained drafts scored")
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from host import store
     from host.drafter import train as T
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     if not names:
         raise SystemExit(f"model {rec.name} has no drafter attached; give --heads")
     tok = AutoTokenizer.from_pretrained(rec.path)
-    model = AutoModelForCausalLM.from_pretrained(rec.path, dtype=torch.float32).eval()
+    model = store.load_model(rec, "cpu", "float32", keep_blocks=False).eval()
     rows = load_prompts(args.prompts)
     seqs = _replies(model, tok, rows, args.new_tokens)
     cfg = T.TrainConfig(name="dev", progress=False, gen_batch=len(seqs) + 1)

@@ -5,11 +5,15 @@ Each entry holds the transformers config, weights, tokenizer (with chat template
 folder: head.safetensors + drafter.json, see host/drafter/mtp.py). Imports, and drafters attached
 later, are written to a temporary folder and renamed into place, so a failed import never leaves
 a half-written model or head behind.
+
+A GGUF file is imported in its own format by default: its quantized tensors keep their blocks,
+which the CPU kernels read as stored (host/weights.py); `--dtype float32` widens them at import.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +23,8 @@ from pathlib import Path
 
 from .errors import ImportFailed, InvalidArgument, ModelNotFound
 from .paths import SHIPPED_DRAFTERS, drafters_dir, models_dir
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 # Aliases: name -> (PyPI distribution, file inside it). The wheel is never imported.
@@ -37,6 +43,17 @@ class ModelRecord:
     dtype: str
     drafters: list[str] = field(default_factory=list)
     path: str = ""
+    formats: dict[str, int] = field(default_factory=dict)  # tensors kept in a file's blocks: name -> ggml type
+    bytes: int = 0  # the weights' size in the store
+
+    def format_summary(self) -> str:
+        """The weights' formats, e.g. `Q4_1 x210, Q8_0 x1, float32`."""
+        from collections import Counter
+
+        from gguf import GGMLQuantizationType
+
+        counts = Counter(GGMLQuantizationType(k).name for k in self.formats.values())
+        return ", ".join([f"{k} x{n}" for k, n in sorted(counts.items())] + [self.dtype])
 
 
 def _alias_file(alias: str) -> Path:
@@ -184,11 +201,12 @@ def _write_record(folder: Path, rec: ModelRecord) -> None:
 def _attach_drafters(rec: ModelRecord, source: Path, drafters: list[tuple[str, Path | None]]) -> ModelRecord:
     """Attach drafters to an imported model in place: all are converted before any is renamed in."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from . import weights
 
     entry = Path(rec.path)
     torch_dtype = getattr(torch, rec.dtype)
-    model = AutoModelForCausalLM.from_pretrained(entry, dtype=torch_dtype)
+    model = weights.load(entry, torch_dtype, torch.device("cpu"))
     (entry / "drafters").mkdir(exist_ok=True)
     tmps = []
     try:
@@ -237,7 +255,7 @@ def _import_model(source, name, dtype, drafter, progress):
         rec = read_record(name)
         # `auto` takes the source's import in any dtype (one made under an older default, say):
         # the engine converts the weights to its dtype when it opens them
-        if rec.source == source_id and (dtype == "auto" or rec.dtype == dtype_name):
+        if rec.source == source_id and (dtype == "auto" or (rec.dtype == dtype_name and not rec.formats)):
             new = [(d, f) for d, f in drafters if d not in rec.drafters]
             if not new:
                 return rec, False
@@ -253,6 +271,13 @@ def _import_model(source, name, dtype, drafter, progress):
     tmp = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=models_dir()))
     steps = tqdm(total=4 + len(drafters), desc=f"importing {name}", disable=not progress, unit="step")
     try:
+        if gguf and dtype == "auto":
+            rec = _import_native(folder, gguf, name, source_id, drafters, tmp, steps)
+            tmp.chmod(0o755)
+            os.replace(tmp, dest)
+            steps.update()
+            rec.path = str(dest)
+            return rec, True
         kw = {"gguf_file": gguf} if gguf else {}
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
@@ -275,6 +300,7 @@ def _import_model(source, name, dtype, drafter, progress):
         rec = ModelRecord(name=name, source=source_id, architecture=type(model).__name__,
                           parameters=sum(p.numel() for p in model.parameters()), dtype=dtype_name,
                           drafters=[d for d, _ in drafters])
+        rec.bytes = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         (tmp / "pie.json").write_text(json.dumps(asdict(rec), indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it private; the store is readable like any cache
         os.replace(tmp, dest)
@@ -286,6 +312,46 @@ def _import_model(source, name, dtype, drafter, progress):
         steps.close()
     rec.path = str(dest)
     return rec, True
+
+
+def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters, tmp: Path, steps) -> ModelRecord:
+    """A GGUF file's tensors in their own blocks (host/weights.py) into the entry folder tmp."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from . import weights
+    from .drafter import layouts
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf)
+        layouts.check_target_supported(config)
+        config.__dict__.pop("quantization_config", None)
+        steps.update()
+        tensors, formats, widened = weights.read_gguf(folder / gguf, config)
+        steps.update()
+    except (ImportFailed, InvalidArgument):
+        raise
+    except Exception as e:  # gguf-py and transformers raise many kinds for a corrupt or unsupported file
+        raise ImportFailed(f"could not load {str(folder / gguf)!r} as a causal language model: {str(e).splitlines()[0]}") from e
+    if widened:
+        log.warning("pie: %s has no kernel for %s: widened to float32 at import", gguf,
+                    ", ".join(f"{k} ({n} tensors)" for k, n in sorted(widened.items())))
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    nbytes = weights.write(tensors, formats, tmp)
+    parameters = weights.parameters(tensors, formats)
+    del tensors
+    model = weights.load(tmp, torch.float32, torch.device("cpu"))
+    layouts.check_target_model(model)
+    for dname, head_folder in drafters:
+        _write_drafter(dname, head_folder, folder, model, tmp / "drafters" / dname, torch.float32)
+        steps.update()
+    tokenizer.save_pretrained(tmp)
+    rec = ModelRecord(name=name, source=source_id, architecture=type(model).__name__, parameters=parameters,
+                      dtype="float32", drafters=[d for d, _ in drafters], formats=formats, bytes=nbytes)
+    (tmp / "pie.json").write_text(json.dumps(asdict(rec), indent=2))
+    return rec
 
 
 def read_record(name: str) -> ModelRecord:
@@ -329,16 +395,24 @@ def open_engine(model: str | None = None, device: str = "auto", dtype: str = "au
     return compute().call(_open_engine, model, device, dtype, **engine_kwargs)
 
 
-def _open_engine(model, device, dtype, **engine_kwargs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(rec: ModelRecord, device: str = "cpu", dtype: str = "auto", keep_blocks: bool = True):
+    """A store model as a transformers model on `device`; keep_blocks=False widens a GGUF import's
+    blocks to float32 (the exact dequantized model, as HF `generate` references read it)."""
+    from . import weights
+    from .engine import resolve_device, resolve_dtype
 
-    from .engine import Engine, resolve_device, resolve_dtype
+    dev = resolve_device(device)
+    return weights.load(Path(rec.path), resolve_dtype(dtype, dev), dev, keep=keep_blocks)
+
+
+def _open_engine(model, device, dtype, **engine_kwargs):
+    from transformers import AutoTokenizer
+
+    from .engine import Engine
 
     rec = read_record(model or DEFAULT_MODEL)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
     tokenizer = AutoTokenizer.from_pretrained(rec.path)
-    m = AutoModelForCausalLM.from_pretrained(rec.path, dtype=torch_dtype).to(dev)
+    m = load_model(rec, device, dtype)
     from .drafter.mtp import load_head
 
     # each attached draft head, in the model's dtype, from the entry's drafters/<name> folder

@@ -75,15 +75,15 @@ _HF_CACHE: dict = {}
 @pytest.fixture(scope="session")
 def hf_greedy(engine, chat_ids):
     """hf_greedy(i, n): HF generate(do_sample=False) continuation of dev prompt i, computed once per session."""
-    from transformers import AutoModelForCausalLM
 
     from host import store
 
     from host.engine.compute import compute
 
-    path = store.read_record(engine.info.name).path
-    # model work on the compute thread, as the engine does it (host/engine/compute.py)
-    ref = compute().call(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    rec = store.read_record(engine.info.name)
+    # model work on the compute thread, as the engine does it (host/engine/compute.py); a GGUF
+    # import's blocks widened: transformers' own layers over the exact dequantized weights
+    ref = compute().call(lambda: store.load_model(rec, "cpu", "float32", keep_blocks=False).eval())
 
     @torch.inference_mode()
     def generate(ids: list[int], n: int) -> list[int]:

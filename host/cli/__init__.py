@@ -17,7 +17,7 @@ def _cmd_import(args) -> int:
                                       progress=sys.stderr.isatty() or args.progress)
     state = "imported" if created else "already imported"
     drafters = f", drafters {','.join(rec.drafters)}" if rec.drafters else ""
-    print(f"{state}: {rec.name} ({rec.architecture}, {rec.parameters / 1e6:.1f}M parameters, {rec.dtype}{drafters}) "
+    print(f"{state}: {rec.name} ({rec.architecture}, {rec.parameters / 1e6:.1f}M parameters, {rec.format_summary()}{drafters}) "
           f"at {rec.path}")
     return 0
 
@@ -34,9 +34,9 @@ def _cmd_list(args) -> int:
     if not recs:
         print("no models imported; run `pie model import smollm2-135m`")
         return 0
-    rows = [("NAME", "ARCHITECTURE", "PARAMS", "DTYPE", "DRAFTERS", "PATH")]
-    rows += [(r.name, r.architecture, f"{r.parameters / 1e6:.1f}M", r.dtype, ",".join(r.drafters) or "-", r.path)
-             for r in recs]
+    rows = [("NAME", "ARCHITECTURE", "PARAMS", "FORMATS", "SIZE", "DRAFTERS", "PATH")]
+    rows += [(r.name, r.architecture, f"{r.parameters / 1e6:.1f}M", r.format_summary(),
+              f"{r.bytes / 1e6:.0f} MB" if r.bytes else "-", ",".join(r.drafters) or "-", r.path) for r in recs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp = msub.add_parser("import", help="convert a model into the store")
     imp.add_argument("source", help="alias (smollm2-135m), Hugging Face model folder, or .gguf file")
     imp.add_argument("--name", help="store name (default: the alias or the folder/file name)")
-    imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                     help="auto: a GGUF file keeps its quantized blocks (read as stored), a model folder its dtype; "
+                          "float32 or bfloat16: widened at import")
     imp.add_argument("--drafter", action="append",
                      help="attach a draft head: mtp (the MTP layers inside SOURCE), a head folder, or a trained "
                           "head's name ($PIE_HOME/drafters); may be given more than once; on a model already "

@@ -68,13 +68,16 @@ def _resolve_model(model: str) -> Path:
 
 def run(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..drafter.train import TrainConfig, train
 
+    from .. import weights
+
     folder = _resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # training runs transformers' layers: a GGUF import's blocks widened (exactly)
+    model = weights.load(folder, torch.float32, torch.device("cpu"), keep=False).eval()
     cfg = TrainConfig(name=args.name, out=args.out, work_dir=args.work_dir, tokens=args.tokens,
                       context_share=args.context_share, word_prompts=not args.no_word_prompts,
                       max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,

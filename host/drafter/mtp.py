@@ -92,7 +92,7 @@ class MtpHead(nn.Module):
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.block = decoder_layer_class(target)(cfg, cfg.num_hidden_layers if layer_idx is None else layer_idx)
         self.norm = _norm_like(target, H, eps)
-        V = target.get_output_embeddings().weight.shape[0]
+        V = target.get_output_embeddings().out_features
         self.head = nn.Linear(H, V, bias=False) if own_head else None
         if draft_vocab is not None:
             draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.int64)
@@ -154,7 +154,7 @@ class MtpHead(nn.Module):
 def check_compatible(spec: HeadSpec, target) -> None:
     """Raise ValueError when a head cannot run on this target (hidden size, vocabulary)."""
     cfg = target.config
-    V = target.get_output_embeddings().weight.shape[0]
+    V = target.get_output_embeddings().out_features
     if spec.kind != KIND:
         raise ValueError(f"drafter {spec.name!r} is of kind {spec.kind!r}; only {KIND!r} heads are supported")
     if spec.hidden_size != cfg.hidden_size:

@@ -562,7 +562,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     trn = [q for q in seqs if not is_validation(q["prompt_index"], cfg.val_every)]
     if not trn or not val:
         raise ValueError(f"too little data: {len(trn)} training and {len(val)} validation sequences; raise --tokens")
-    V = target.get_output_embeddings().weight.shape[0]
+    V = target.get_output_embeddings().out_features
     dv, vinfo = choose_draft_vocab(trn, V, cfg.draft_vocab, cfg.coverage)
     vmap = torch.full((V,), IGNORE, dtype=torch.long)
     vmap[dv] = torch.arange(len(dv))

@@ -80,3 +80,91 @@ def dequantize(raw: torch.Tensor, ggml: int) -> torch.Tensor:
     if fmt.scales == 2:  # Q4_1: d * q is exact, so one rounding, as gguf's (d * q) + m
         return (d * q + b[..., 2:4].contiguous().view(torch.float16).float()).reshape(n, -1)
     return (d * (q - 8)).reshape(n, -1)
+
+
+class BlockLinear(torch.nn.Module):
+    """nn.Linear's product over a weight in the kernel's blocks (`repack`). linear.py packs it for
+    the fast products; called as a plain module it widens its weight first (exactly)."""
+
+    def __init__(self, packed: torch.Tensor, ggml: int, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.packed, self.format = packed, ggml
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight widened to float32 [out, in]: a new tensor each time."""
+        return _ops().block_dense(self.packed, self.format, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{FORMATS[self.format].name}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class BlockEmbedding(torch.nn.Module):
+    """nn.Embedding over rows in the kernel's blocks: each id's row widened where it is read. A
+    tied readout (`BlockLinear`) streams the same blocks: one copy."""
+
+    def __init__(self, packed: torch.Tensor, ggml: int, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.packed, self.format = packed, ggml
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return _ops().block_dense(self.packed, self.format, self.num_embeddings)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = _ops().block_gather(self.packed, self.format, self.num_embeddings, ids.reshape(-1).long())
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{FORMATS[self.format].name}, {self.num_embeddings}, {self.embedding_dim}"
+
+
+def _ops():
+    from . import kernels
+
+    ops = kernels.skinny()
+    if ops is None:
+        raise RuntimeError("weights in blocks need the CPU kernels (host/engine/kernels.py)")
+    return ops
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` can keep weights in blocks (else they are widened
+    at load): the CPU kernels compute in float32."""
+    from . import kernels
+
+    return device.type == "cpu" and dtype == torch.float32 and kernels.skinny() is not None
+
+
+def install(model: torch.nn.Module, name: str, raw: torch.Tensor, ggml: int,
+            bias: torch.Tensor | None = None) -> torch.nn.Module:
+    """Replace the nn.Linear or nn.Embedding whose weight `name` is with its block module over
+    the GGUF rows `raw` (and a linear's bias), and return the new module."""
+    path, _, leaf = name.rpartition(".")
+    if leaf != "weight":
+        raise ValueError(f"{name}: only a layer's weight is kept in blocks")
+    parent_name, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child)
+    packed = repack(raw, ggml, _ops().block)
+    if isinstance(old, torch.nn.Linear):
+        new = BlockLinear(packed, ggml, old.out_features, old.in_features, bias)
+    elif isinstance(old, torch.nn.Embedding):
+        new = BlockEmbedding(packed, ggml, old.num_embeddings, old.embedding_dim)
+    else:
+        raise ValueError(f"{name}: a {type(old).__name__} cannot read blocks")
+    setattr(parent, child, new)
+    return new
+
+
+def tie(head: torch.nn.Module, embedding: BlockEmbedding) -> BlockLinear:
+    """The readout over a tied embedding's own blocks (no copy)."""
+    return BlockLinear(embedding.packed, embedding.format, embedding.num_embeddings, embedding.embedding_dim,
+                       None if getattr(head, "bias", None) is None or head.bias.is_meta else head.bias.detach())

@@ -23,6 +23,7 @@ import torch
 from ..epilogue.tensors import argmax, exp_race
 from ..errors import InvalidArgument
 from . import attention
+from .blocks import BlockLinear
 from .linear import PackedLinears
 from .readout import Readout
 from .stack import LayerStack
@@ -101,11 +102,15 @@ class HeadRunner:
         self.vocab_size = engine.info.vocab_size
         decoder = engine.model.get_decoder()
         self._embed, self._rotary = decoder.embed_tokens, decoder.rotary_emb
-        w = head.output_weight(engine.model.get_output_embeddings().weight).detach()
-        out = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-        out.weight = torch.nn.Parameter(w.contiguous(), requires_grad=False)
+        target_out = engine.model.get_output_embeddings()
+        if isinstance(target_out, BlockLinear) and head.head is None and head.draft_vocab is None:
+            out = target_out  # the target's readout, over the same blocks
+        else:
+            w = head.output_weight(target_out.weight).detach()
+            out = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            out.weight = torch.nn.Parameter(w.contiguous(), requires_grad=False)
         self._out = Readout(out)
-        self.draft_vocab_size = w.shape[0]
+        self.draft_vocab_size = out.out_features
         self._ids = head.draft_vocab  # head output index -> target id (None: the identity)
         self.linears = PackedLinears(head)
         # the block runs in the engine's layer stack where the target's layers do (stack.py): the

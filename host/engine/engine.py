@@ -160,7 +160,7 @@ class Engine:
         eos = eos if eos is not None else tokenizer.eos_token_id
         eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
         self.info = ModelInfo(
-            name=name, architecture=type(model).__name__, vocab_size=model.get_output_embeddings().weight.shape[0],
+            name=name, architecture=type(model).__name__, vocab_size=model.get_output_embeddings().out_features,
             eos_ids=eos_ids, context_len=context_len or getattr(cfg, "max_position_embeddings", 2048),
             hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device), drafters=list(heads),

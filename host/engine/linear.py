@@ -13,6 +13,10 @@ handles it about as if it ran once per row. Two packed layouts do better, each w
 Where the compiled kernels are not built, oneDNN takes every row count. The products are the
 same up to float summation order.
 
+A weight kept in its file's blocks (blocks.BlockLinear) takes block_linear for few rows and,
+for more, is widened one product at a time for oneDNN or torch's `linear`, as the float32 path
+would use them: the bits are the float32 model's either way.
+
 Sibling projections that transformers calls one after another on the same input (q/k/v,
 gate/up) are fused: one product over their concatenated weights, each sibling taking its
 columns. Fewer, wider products keep the cores busier (`python -m bench.linear`).
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .blocks import BlockLinear
 
 PACK_ROWS = 8  # the row count oneDNN tunes the blocked layout for; measured best for 1-16 rows
 SKINNY_ROWS = 32  # products of up to this many rows take skinny_linear (measured: bench.linear)
@@ -49,6 +54,8 @@ class Packed:
     blocked: torch.Tensor | None  # oneDNN's layout, for more rows; None: `weight` takes them
     weight: torch.Tensor | None  # the plain weight, where there is no blocked copy
     bias: torch.Tensor | None
+    format: int = 0  # 0: skinny holds float blocks; else they are blocks.py's, of this ggml type
+    onednn: bool = False  # blocks: more rows go through oneDNN over the widened weight (else F.linear)
 
 
 def _packable(module: torch.nn.Module) -> bool:
@@ -61,6 +68,8 @@ def pack(module: torch.nn.Module, blocked: bool = True) -> Packed | None:
     """A linear module's packed weight, or None where the fast path does not apply. blocked=False
     keeps no oneDNN copy: more rows than SKINNY_ROWS then read the module's own weight (the
     readout's choice: its weight is large and its passes read out few rows)."""
+    if isinstance(module, BlockLinear):
+        return _pack_blocks(module.packed, module.format, module.out_features, module.bias, blocked)
     if not _packable(module):
         return None
     return _pack(module.weight.detach(), module.bias, blocked)
@@ -80,6 +89,12 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool = True)
                   None if bias is None else bias.detach())
 
 
+def _pack_blocks(packed: torch.Tensor, ggml: int, outputs: int, bias: torch.Tensor | None,
+                 blocked: bool) -> Packed:
+    return Packed(outputs, packed, None, None, None if bias is None else bias.detach(), ggml,
+                  blocked and torch.backends.mkldnn.is_available())
+
+
 def _narrowest(weight: torch.Tensor) -> torch.Tensor:
     """The weight as bfloat16 where that is exact (every value a bfloat16 value: a checkpoint
     stored in bfloat16, such as a draft head's): skinny_linear then reads half the bytes and gives
@@ -91,7 +106,18 @@ def _narrowest(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    if packed.skinny is not None and x.shape[0] <= SKINNY_ROWS:
+    if packed.format:
+        ops = kernels.skinny()
+        if x.shape[0] <= SKINNY_ROWS:
+            y = ops.block_linear(x, packed.skinny, packed.format, packed.bias, packed.outputs)
+        else:  # one product's weight widened at a time, never a float copy of the model
+            dense = ops.block_dense(packed.skinny, packed.format, packed.outputs)
+            if packed.onednn:
+                dense = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
+                y = torch.ops.mkldnn._linear_pointwise(x, dense, packed.bias, "none", [], "")
+            else:
+                y = F.linear(x, dense, packed.bias)
+    elif packed.skinny is not None and x.shape[0] <= SKINNY_ROWS:
         y = kernels.skinny().linear(x, packed.skinny, packed.bias, packed.outputs)
     elif packed.blocked is not None:
         y = torch.ops.mkldnn._linear_pointwise(x, packed.blocked, packed.bias, "none", [], "")
@@ -112,14 +138,32 @@ class FusedGroup:
 
     @classmethod
     def of(cls, mods: list[torch.nn.Module]) -> FusedGroup | None:
-        if len({m.in_features for m in mods}) != 1 or not all(_packable(m) for m in mods):
+        if len({m.in_features for m in mods}) != 1:
             return None
         biases = [m.bias for m in mods]
         bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype)
+            [b.detach() if b is not None else torch.zeros(m.out_features, dtype=torch.float32)
              for b, m in zip(biases, mods)])
+        if all(isinstance(m, BlockLinear) for m in mods):
+            return cls._of_blocks(mods, bias)
+        if not all(_packable(m) for m in mods):
+            return None
         packed = _pack(torch.cat([m.weight.detach() for m in mods]), bias)
         return None if packed is None else cls(mods, packed)
+
+    @classmethod
+    def _of_blocks(cls, mods: list[BlockLinear], bias: torch.Tensor | None) -> FusedGroup | None:
+        """Siblings in one block format whose outputs fill whole column blocks: their blocks side
+        by side are the fused weight's, and each sibling then reads its slice of them (one copy)."""
+        ops = kernels.skinny()
+        if len({m.format for m in mods}) != 1 or any(m.out_features % ops.block for m in mods):
+            return None
+        fused = torch.cat([m.packed for m in mods])
+        start = 0
+        for m in mods:
+            m.packed = fused[start:start + m.packed.shape[0]]
+            start += m.packed.shape[0]
+        return cls(mods, _pack_blocks(fused, mods[0].format, sum(m.out_features for m in mods), bias, True))
 
     def clear(self) -> None:
         self._x: torch.Tensor | None = None
@@ -147,7 +191,7 @@ class PackedLinears:
         for parent in root.modules():
             for names in FUSE:
                 mods = [getattr(parent, n, None) for n in names]
-                if not all(isinstance(m, torch.nn.Linear) for m in mods):
+                if not all(isinstance(m, (torch.nn.Linear, BlockLinear)) for m in mods):
                     continue
                 group = getattr(mods[0], "_pie_group", (None,))[0] or FusedGroup.of(mods)
                 if group is None:

@@ -74,15 +74,17 @@ class LayerStack:
             self.layers.append(Layer(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight,
                                      gate_up, down, a.scaling))
             packed.append([PackedLinears.packed(ms) for ms in products])
-        # the C++ loop's arguments: every product packed in both layouts, or no C++ loop
+        # the C++ loop's arguments: every product packed for both row counts, or no C++ loop
         products = [p for ps in packed for p in ps]
-        both = all(p is not None and p.skinny is not None and p.blocked is not None for p in products)
+        both = all(p is not None and p.skinny is not None and (p.blocked is not None or p.onednn) for p in products)
         self.native = native if both and rows is not None else None
         self._native_args = []
         if self.native is not None:
             norms = [w for ly in self.layers for w in (ly.norm1, ly.norm2)]
-            self._native_args = [norms, [p.skinny for p in products], [p.blocked for p in products],
-                                 [0] * len(products), [p.bias for p in products]]
+            none = torch.empty(0)  # a weight in blocks has no oneDNN copy: it is widened per product
+            self._native_args = [norms, [p.skinny for p in products],
+                                 [none if p.blocked is None else p.blocked for p in products],
+                                 [p.format for p in products], [p.bias for p in products]]
         self._scaling = [ly.scaling for ly in self.layers]
 
     @classmethod
