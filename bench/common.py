@@ -52,31 +52,29 @@ def load_hf(engine):
 
 class ProductPaths:
     """The engine's products, run one of three ways while a `use` block lasts, for the benchmarks
-    that compare them: "engine" (host/engine/linear.py: skinny_linear up to SKINNY_ROWS rows,
-    oneDNN beyond), "oneDNN" (oneDNN's packed copy for every row count, the lm_head too: the
-    products before skinny_linear) and "stock" (torch's linear, unpacked)."""
+    that compare them: "engine" (host/engine/linear.py: skinny_linear, or block_linear over a
+    file's blocks, for every row count), "oneDNN" (oneDNN over its blocked copy of each widened
+    weight, the lm_head too: the products before skinny_linear) and "stock" (torch's linear,
+    unpacked)."""
 
     NAMES = ("stock", "oneDNN", "engine")
 
     def __init__(self, engine):
         from host.engine import linear
-        from host.engine.readout import Readout
 
         self._engine, self._linear = engine, linear
-        self.readout, self.skinny_rows = engine._lm_head, linear.SKINNY_ROWS
-        self._readouts = {"stock": self.readout.head, "oneDNN": Readout(self.readout.head, blocked=True),
-                          "engine": self.readout}
+        self.readout = engine._lm_head
 
     @contextlib.contextmanager
     def use(self, path: str):
         engine, linear = self._engine, self._linear
         engine.linears.enabled = path != "stock"
-        linear.SKINNY_ROWS = self.skinny_rows if path == "engine" else 0
-        engine._lm_head = self._readouts[path]
+        linear.ONEDNN = path == "oneDNN"
+        engine._lm_head = self.readout if path != "stock" else self.readout.head
         try:
             yield
         finally:
-            engine.linears.enabled, linear.SKINNY_ROWS, engine._lm_head = True, self.skinny_rows, self.readout
+            engine.linears.enabled, linear.ONEDNN, engine._lm_head = True, False, self.readout
 
 
 def machine() -> dict:

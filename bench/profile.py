@@ -42,7 +42,7 @@ from .common import ProductPaths, machine, on_compute, table, write
 KERNELS = "pie::"
 
 KINDS = {
-    "products": ("linear", "addmm", "mm", "matmul", "bmm", "_linear_pointwise", "mkldnn", "skinny_linear"),
+    "products": ("linear", "addmm", "mm", "matmul", "bmm", "_linear_pointwise", "mkldnn", "skinny_linear", "block_linear"),
     "attention": ("scaled_dot_product", "flash_attention", "index_copy", "index_select", "_efficient_attention",
                   "softmax", "baddbmm", "paged_attention"),
     "norms/activations": ("pow", "mean", "rsqrt", "mul", "add", "silu", "neg", "cat", "tanh", "sub", "div", "cos",

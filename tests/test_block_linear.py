@@ -1,6 +1,7 @@
 """Products over GGUF blocks (host/engine/csrc/block_linear.cpp, host/engine/blocks.py): for
 each format, random blocks, extreme and subnormal scales included, give the bits of
-`gguf.quants.dequantize` followed by the float32 kernel, for every row count 1..40."""
+`gguf.quants.dequantize` followed by the float32 kernel, for every row count 1..40 and prompt
+passes' counts beyond."""
 
 from __future__ import annotations
 
@@ -55,15 +56,17 @@ def test_products_have_the_bits_of_the_dequantized_float32_kernel(ops, kind, n, 
     packed = blocks.repack(torch.from_numpy(raw), kind, ops.block)
     reference = ops.pack(dense)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    x = scaled_x(40, k)
-    for rows in range(1, 41):
+    x = scaled_x(100, k)
+    # 1..40: tiles widening in registers; 41 and more (and from 17 on AVX-512): widened once a
+    # chunk of k at a time (block_linear.cpp), a prompt pass's row counts
+    for rows in [*range(1, 41), 41, 67, 100]:
         for b in (bias, None):
             got = ops.block_linear(x[:rows], packed, kind, b, n)
             want = ops.linear(x[:rows], reference, b, n)
             assert torch.isfinite(want).all()
             assert torch.equal(got, want), f"{kind.name}, {rows} rows"
     whole = ops.block_linear(x, packed, kind, bias, n)
-    for r in range(40):  # a row's result does not depend on the rows around it
+    for r in range(100):  # a row's result does not depend on the rows around it
         assert torch.equal(ops.block_linear(x[r:r + 1], packed, kind, bias, n)[0], whole[r])
 
 

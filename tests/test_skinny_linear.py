@@ -104,7 +104,6 @@ def test_linear_py_packs_exact_bfloat16_weights_narrow_and_others_wide(ops):
         mod.weight.copy_(mod.weight.bfloat16().float())
     packed = linear.pack(mod)
     assert packed.skinny.dtype == torch.bfloat16
-    assert packed.blocked is not None  # oneDNN's copy for more rows stays float32
     x = torch.randn(9, 96)
     assert torch.allclose(linear.packed_linear(x, packed), mod(x), atol=1e-5)
     with torch.no_grad():
@@ -112,26 +111,28 @@ def test_linear_py_packs_exact_bfloat16_weights_narrow_and_others_wide(ops):
     assert linear.pack(mod).skinny.dtype == torch.float32
 
 
-def test_linear_py_sends_few_rows_to_the_kernel_and_more_to_onednn(ops):
+def test_linear_py_sends_every_row_count_to_the_kernel_with_one_copy(ops):
     mod = torch.nn.Linear(96, 150)
     packed = linear.pack(mod)
-    assert packed.skinny is not None and packed.blocked is not None and packed.outputs == 150
-    few = torch.randn(linear.SKINNY_ROWS, 96)
-    assert torch.equal(linear.packed_linear(few, packed), ops.linear(few, packed.skinny, packed.bias, 150))
-    many = torch.randn(linear.SKINNY_ROWS + 1, 96)
-    want = torch.ops.mkldnn._linear_pointwise(many, packed.blocked, packed.bias, "none", [], "")
-    assert torch.equal(linear.packed_linear(many, packed), want)
+    assert packed.skinny is not None and packed.blocked is None and packed.outputs == 150
+    x = torch.randn(300, 96)
+    for rows in (1, 7, 32, 33, 300):  # a prompt pass too, and its rows get a decode's bits
+        got = linear.packed_linear(x[:rows], packed)
+        assert torch.equal(got, ops.linear(x[:rows], packed.skinny, packed.bias, 150))
+        assert torch.equal(got[-1], ops.linear(x[rows - 1:rows], packed.skinny, packed.bias, 150)[0])
     # leading dimensions are kept, as nn.Linear keeps them
     assert linear.packed_linear(torch.randn(2, 3, 96), packed).shape == (2, 3, 150)
 
 
-def test_without_a_blocked_copy_more_rows_read_the_plain_weight():
+def test_the_onednn_baseline_makes_its_copy_on_use_only(ops, monkeypatch):
     mod = torch.nn.Linear(96, 150)
-    packed = linear.pack(mod, blocked=False)  # the readout's choice
-    assert packed.blocked is None and torch.equal(packed.weight, mod.weight)
-    many = torch.randn(linear.SKINNY_ROWS + 5, 96)
+    packed = linear.pack(mod)
+    x = torch.randn(40, 96)
+    monkeypatch.setattr(linear, "ONEDNN", True)
+    assert not packed._onednn
     with torch.no_grad():
-        assert torch.allclose(linear.packed_linear(many, packed), mod(many), atol=1e-5)
+        assert torch.allclose(linear.packed_linear(x, packed), mod(x), atol=1e-5)
+    assert packed._onednn
 
 
 def _mapping_fields(addr: int) -> dict:

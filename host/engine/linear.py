@@ -1,21 +1,20 @@
 """The decoder's linear layers on CPU float32, with their weights packed once for fast products.
 
 A decode pass or a verification window multiplies a few rows (1 to ~16) by every weight of the
-model, and such a product is bound by reading the weights from memory. MKL's default `linear`
-handles it about as if it ran once per row. Two packed layouts do better, each where it is best
-(`python -m bench.linear`):
+model, and such a product is bound by reading the weights from memory; MKL's default `linear`
+handles it about as if it ran once per row. csrc/skinny_linear.cpp reads each block of columns
+in one forward stream for every row count (`python -m bench.linear`): a few rows as fast as
+memory allows, a prompt pass as fast as oneDNN's own blocked layout, with one copy of the
+weight and a row's result independent of the rows around it and of how many there are (a
+prompt pass's KV equals a decode's). A weight whose values are all bfloat16 values is kept in
+bfloat16 there (exact, half the bytes to read).
 
-- few rows (up to `SKINNY_ROWS`): csrc/skinny_linear.cpp, one forward stream through each
-  block of columns; a row's result does not depend on the rows around it; a weight whose values
-  are all bfloat16 values is kept in bfloat16 there (exact, half the bytes to read);
-- more rows (prompt passes, big batches): oneDNN's matmul over its own blocked layout.
+A weight kept in its file's blocks (blocks.BlockLinear) takes csrc/block_linear.cpp, which
+widens each weight exactly and multiplies in skinny_linear's order: the float32 model's bits.
 
-Where the compiled kernels are not built, oneDNN takes every row count. The products are the
-same up to float summation order.
-
-A weight kept in its file's blocks (blocks.BlockLinear) takes block_linear for few rows and,
-for more, is widened one product at a time for oneDNN or torch's `linear`, as the float32 path
-would use them: the bits are the float32 model's either way.
+Where the compiled kernels are not built, oneDNN over its blocked copy takes every row count
+(MKL's `linear` where this torch has no oneDNN); the products are the same up to float
+summation order. `ONEDNN = True` sends every product through oneDNN (the benchmarks' baseline).
 
 Sibling projections that transformers calls one after another on the same input (q/k/v,
 gate/up) are fused: one product over their concatenated weights, each sibling taking its
@@ -31,31 +30,38 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels
 from .blocks import BlockLinear
 
 PACK_ROWS = 8  # the row count oneDNN tunes the blocked layout for; measured best for 1-16 rows
-SKINNY_ROWS = 32  # products of up to this many rows take skinny_linear (measured: bench.linear)
+ONEDNN = False  # True: every product through oneDNN over a widened copy (the benchmarks' baseline)
 # children of one module that the model code calls in this order on one input tensor
 FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
 class Packed:
-    """One product's weight in the layouts the CPU's products read, and its bias."""
+    """One product's weight in the layout the CPU's products read, and its bias."""
     outputs: int
     skinny: torch.Tensor | None  # skinny_linear's blocks; None: the kernels are not built
-    blocked: torch.Tensor | None  # oneDNN's layout, for more rows; None: `weight` takes them
-    weight: torch.Tensor | None  # the plain weight, where there is no blocked copy
+    blocked: torch.Tensor | None  # oneDNN's layout, where the kernels are not built
+    weight: torch.Tensor | None  # the plain float weight (the module's own tensor; None: blocks)
     bias: torch.Tensor | None
     format: int = 0  # 0: skinny holds float blocks; else they are blocks.py's, of this ggml type
-    onednn: bool = False  # blocks: more rows go through oneDNN over the widened weight (else F.linear)
+    _onednn: dict = field(default_factory=dict, compare=False, repr=False)  # ONEDNN's copy, made on use
+
+    def onednn(self) -> torch.Tensor:
+        """oneDNN's blocked layout of the (widened) weight, kept once made: the baseline's."""
+        if "w" not in self._onednn:
+            dense = kernels.skinny().block_dense(self.skinny, self.format, self.outputs) if self.format else self.weight
+            self._onednn["w"] = self.blocked if self.blocked is not None else \
+                torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
+        return self._onednn["w"]
 
 
 def _packable(module: torch.nn.Module) -> bool:
@@ -64,35 +70,29 @@ def _packable(module: torch.nn.Module) -> bool:
             and w.dtype == torch.float32 and torch.backends.mkldnn.is_available())
 
 
-def pack(module: torch.nn.Module, blocked: bool = True) -> Packed | None:
-    """A linear module's packed weight, or None where the fast path does not apply. blocked=False
-    keeps no oneDNN copy: more rows than SKINNY_ROWS then read the module's own weight (the
-    readout's choice: its weight is large and its passes read out few rows)."""
+def pack(module: torch.nn.Module) -> Packed | None:
+    """A linear module's packed weight, or None where the fast path does not apply."""
     if isinstance(module, BlockLinear):
-        return _pack_blocks(module.packed, module.format, module.out_features, module.bias, blocked)
+        return _pack_blocks(module.packed, module.format, module.out_features, module.bias)
     if not _packable(module):
         return None
-    return _pack(module.weight.detach(), module.bias, blocked)
+    return _pack(module.weight.detach(), module.bias)
 
 
-def _pack(weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool = True) -> Packed | None:
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
     ops = kernels.skinny()
     skinny = ops.pack(_narrowest(weight)) if ops is not None else None
     dnn = None
-    if blocked or skinny is None:
+    if skinny is None:
         try:
             dnn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         except (AttributeError, RuntimeError):
-            if skinny is None:
-                return None  # this torch build has no oneDNN linear: keep the stock layer
-    return Packed(weight.shape[0], skinny, dnn, None if dnn is not None else weight,
-                  None if bias is None else bias.detach())
+            return None  # this torch build has no oneDNN linear: keep the stock layer
+    return Packed(weight.shape[0], skinny, dnn, weight, None if bias is None else bias.detach())
 
 
-def _pack_blocks(packed: torch.Tensor, ggml: int, outputs: int, bias: torch.Tensor | None,
-                 blocked: bool) -> Packed:
-    return Packed(outputs, packed, None, None, None if bias is None else bias.detach(), ggml,
-                  blocked and torch.backends.mkldnn.is_available())
+def _pack_blocks(packed: torch.Tensor, ggml: int, outputs: int, bias: torch.Tensor | None) -> Packed:
+    return Packed(outputs, packed, None, None, None if bias is None else bias.detach(), ggml)
 
 
 def _narrowest(weight: torch.Tensor) -> torch.Tensor:
@@ -106,23 +106,12 @@ def _narrowest(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    if packed.format:
-        ops = kernels.skinny()
-        if x.shape[0] <= SKINNY_ROWS:
-            y = ops.block_linear(x, packed.skinny, packed.format, packed.bias, packed.outputs)
-        else:  # one product's weight widened at a time, never a float copy of the model
-            dense = ops.block_dense(packed.skinny, packed.format, packed.outputs)
-            if packed.onednn:
-                dense = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
-                y = torch.ops.mkldnn._linear_pointwise(x, dense, packed.bias, "none", [], "")
-            else:
-                y = F.linear(x, dense, packed.bias)
-    elif packed.skinny is not None and x.shape[0] <= SKINNY_ROWS:
-        y = kernels.skinny().linear(x, packed.skinny, packed.bias, packed.outputs)
-    elif packed.blocked is not None:
-        y = torch.ops.mkldnn._linear_pointwise(x, packed.blocked, packed.bias, "none", [], "")
+    if ONEDNN or packed.skinny is None:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn(), packed.bias, "none", [], "")
+    elif packed.format:
+        y = kernels.skinny().block_linear(x, packed.skinny, packed.format, packed.bias, packed.outputs)
     else:
-        y = F.linear(x, packed.weight, packed.bias)
+        y = kernels.skinny().linear(x, packed.skinny, packed.bias, packed.outputs)
     return y.view(*lead, y.shape[-1])
 
 
@@ -163,7 +152,7 @@ class FusedGroup:
         for m in mods:
             m.packed = fused[start:start + m.packed.shape[0]]
             start += m.packed.shape[0]
-        return cls(mods, _pack_blocks(fused, mods[0].format, sum(m.out_features for m in mods), bias, True))
+        return cls(mods, _pack_blocks(fused, mods[0].format, sum(m.out_features for m in mods), bias))
 
     def clear(self) -> None:
         self._x: torch.Tensor | None = None

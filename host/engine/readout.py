@@ -4,9 +4,8 @@ A decode or verify pass reads out 1 to ~16 rows, and the projection onto a large
 (49152 x 576 for SmolLM2, a third of its weights) is then a skinny matrix product that MKL's
 default `linear` handles badly (`python -m bench.readout` measures both, the weight evicted
 from cache between calls as in a real pass). The packed product (linear.py) reads the weight
-once for all rows. It keeps one packed copy: a readout of more than SKINNY_ROWS rows (rare:
-a distribution test's whole window) reads the module's own weight. The result is the same
-product up to float summation order. Elsewhere (CUDA, other dtypes) the module runs as is.
+once for all rows, with one packed copy (none for a tied embedding in its file's blocks: the
+readout streams those). The result is the same product up to float summation order. Elsewhere (CUDA, other dtypes) the module runs as is.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ from .linear import pack, packed_linear
 
 
 class Readout:
-    def __init__(self, head: torch.nn.Module, blocked: bool = False):
-        """blocked: keep a oneDNN copy too, for more than SKINNY_ROWS rows (a benchmark's baseline)."""
+    def __init__(self, head: torch.nn.Module):
         self.head = head
-        self.packed = pack(head, blocked)  # one extra copy of the weight (two if blocked)
+        self.packed = pack(head)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -74,17 +74,15 @@ class LayerStack:
             self.layers.append(Layer(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight,
                                      gate_up, down, a.scaling))
             packed.append([PackedLinears.packed(ms) for ms in products])
-        # the C++ loop's arguments: every product packed for both row counts, or no C++ loop
+        # the C++ loop's arguments: every product packed for the kernels, or no C++ loop
         products = [p for ps in packed for p in ps]
-        both = all(p is not None and p.skinny is not None and (p.blocked is not None or p.onednn) for p in products)
-        self.native = native if both and rows is not None else None
+        every = all(p is not None and p.skinny is not None for p in products)
+        self.native = native if every and rows is not None else None
         self._native_args = []
         if self.native is not None:
             norms = [w for ly in self.layers for w in (ly.norm1, ly.norm2)]
-            none = torch.empty(0)  # a weight in blocks has no oneDNN copy: it is widened per product
-            self._native_args = [norms, [p.skinny for p in products],
-                                 [none if p.blocked is None else p.blocked for p in products],
-                                 [p.format for p in products], [p.bias for p in products]]
+            self._native_args = [norms, [p.skinny for p in products], [p.format for p in products],
+                                 [p.bias for p in products]]
         self._scaling = [ly.scaling for ly in self.layers]
 
     @classmethod
@@ -123,11 +121,11 @@ class LayerStack:
         sin = torch.cat([-sin[0, :, None, :half], sin[0, :, None, half:]], -1)
         g = meta.groups[0]
         rows = self.rows
-        if (self.native is not None and rows is not None and self.linears.on and meta.kernel is not None
+        if (self.native is not None and rows is not None and self.linears.on and not linear.ONEDNN and meta.kernel is not None
                 and len(meta.groups) == 1 and g.passes is not None):
             if g.plan is None:
                 g.plan = attention.kernel_plan(g, x.device)
-            return self.native(x, cos, sin, *self._native_args, linear.SKINNY_ROWS, linear.PACK_ROWS, final, kv,
+            return self.native(x, cos, sin, *self._native_args, final, kv,
                                meta.slot_mapping, *g.plan, self._scaling, self.eps, h, kvh, self.inter)
         q_end, k_end = h * hd, (h + kvh) * hd
         if rows is not None:  # the CPU kernels' steps, the C++ loop's calls

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -170,20 +171,6 @@ void tile(int rows, const uint8_t* w, const float* x, int64_t k, float* y, int64
   block_tile<R, F>(w, x, k, y, y_stride, cols, bias);
 }
 
-template <class F>
-void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t m, int64_t k, int64_t n,
-         int64_t blocks) {
-  const int64_t stride = (k / kGroup) * group_bytes<F>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
-      for (int64_t r = 0; r < m; r += F::kRowsMax)
-        tile<F>(static_cast<int>(std::min<int64_t>(F::kRowsMax, m - r)), wp + b * stride, xp + r * k, k,
-                yp + r * n + c0, n, cols, bp == nullptr ? nullptr : bp + c0);
-    }
-  });
-}
-
 // every widened weight of column block b, group g: out(c, i) for c < cols, i < kGroup
 template <class F, class Out>
 void widen_group(const uint8_t* gp, Out out) {
@@ -196,6 +183,67 @@ void widen_group(const uint8_t* gp, Out out) {
     std::memcpy(w, wv, sizeof w);
     out(w, i);
   }
+}
+
+// A tile of rows widens every weight in registers as it reads it (block_tile), where the widening
+// overlaps the multiply-adds; a pass of more rows than kRegisterTiles tiles hold widens each column
+// block a chunk of k at a time into a per-thread buffer that stays in L1, and every row tile
+// carries its chains over it (chain_rows): each weight widened once per pass, the same
+// multiply-add order, the same bits. Measured on Zen 4 (bench.linear): 16 rows are as fast
+// either way, prompt passes 1.1x to 1.3x faster than widening per product for oneDNN.
+constexpr int64_t kRegisterTiles = 4;
+constexpr int64_t kChunkGroups = 2;  // 64 k: 16 KiB of float32 on AVX-512
+
+template <class F>
+void run_chunked(const uint8_t* w, const float* x, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
+                 int64_t cols, std::vector<float>& scratch) {
+  const int64_t chunk = kChunkGroups * kGroup, step = tile_rows(m);
+  scratch.resize(std::max<size_t>(scratch.size(), (chunk + m) * kBlock));
+  float* wide = scratch.data();
+  float* acc = wide + chunk * kBlock;
+  for (int64_t g0 = 0; g0 < k / kGroup; g0 += kChunkGroups) {
+    const int64_t g1 = std::min(k / kGroup, g0 + kChunkGroups);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = w + g * group_bytes<F>();
+      vf d[kVecs], mins[kVecs];
+      F::scales(gp, d, mins);
+      float* out = wide + (g - g0) * kGroup * kBlock;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        vf wv[kVecs];
+        F::weights(gp + F::kHeader + i * F::kStep, d, mins, wv);
+        for (int j = 0; j < kVecs; ++j) store(out + i * kBlock + kLanes * j, wv[j]);
+      }
+    }
+    for (int64_t r = 0; r < m; r += step)
+      chain_tile(static_cast<int>(std::min(step, m - r)), wide, x + r * k + g0 * kGroup, k, (g1 - g0) * kGroup,
+                 acc + r * kBlock, g0 == 0);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    float* out = y + r * n;
+    const float* a = acc + r * kBlock;
+    for (int64_t c = 0; c < cols; ++c) out[c] = bias == nullptr ? a[c] : a[c] + bias[c];
+  }
+}
+
+template <class F>
+void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t m, int64_t k, int64_t n,
+         int64_t blocks) {
+  const int64_t stride = (k / kGroup) * group_bytes<F>(), tiles = (m + F::kRowsMax - 1) / F::kRowsMax;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> scratch;  // one per thread, kept across products and passes
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
+      const float* bias = bp == nullptr ? nullptr : bp + c0;
+      if (m <= kRegisterTiles * F::kRowsMax) {
+        const int64_t step = (m + tiles - 1) / tiles;  // rows as even as they go: 8 = 4 + 4
+        for (int64_t r = 0; r < m; r += step)
+          tile<F>(static_cast<int>(std::min(step, m - r)), wp + b * stride, xp + r * k, k, yp + r * n + c0, n,
+                  cols, bias);
+      } else {
+        run_chunked<F>(wp + b * stride, xp, bias, yp + c0, m, k, n, cols, scratch);
+      }
+    }
+  });
 }
 
 template <class F>

@@ -2,65 +2,36 @@
 //
 // From Python each call of a decode pass costs more (argument parsing, and the Python between
 // calls). This loop makes stack.py's calls with the CPU kernels (row_ops.cpp, skinny_linear.cpp,
-// paged_attention.cpp, oneDNN for more rows), with the same arguments, so its results are
+// block_linear.cpp, paged_attention.cpp), with the same arguments, so its results are
 // bit-identical to stack.py's (tests/test_engine_stack.py checks it); it is taken only where
 // every product is packed (linear.py) and every window is short (paged_attention.cpp).
 #include "kernels.h"
-
-#include <ATen/core/dispatch/Dispatcher.h>
 
 namespace {
 
 using at::Tensor;
 
-Tensor onednn_linear(const Tensor& x, const Tensor& blocked, const std::optional<Tensor>& bias) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
-                        c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
-  return op.call(x, blocked, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
-}
-
-// oneDNN's layout of a dense weight, as linear.py makes it at load time (PACK_ROWS)
-Tensor onednn_reorder(const Tensor& dense, int64_t pack_rows) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
-                             .typed<Tensor(const Tensor&, std::optional<int64_t>)>();
-  return op.call(dense, pack_rows);
-}
-
-// linear.py's packed_linear: few rows through skinny_linear (block_linear for a weight in its
-// file's blocks), more through oneDNN (a weight in blocks widened first, one product at a time)
-Tensor packed_linear(const Tensor& x, const Tensor& skinny, const Tensor& blocked, int64_t format,
-                     const std::optional<Tensor>& bias, int64_t outputs, int64_t skinny_rows, int64_t pack_rows) {
-  if (format != 0) {
-    if (x.size(0) <= skinny_rows) return block_linear(x, skinny, format, bias, outputs);
-    return onednn_linear(x, onednn_reorder(block_dense(skinny, format, outputs), pack_rows), bias);
-  }
-  if (x.size(0) <= skinny_rows) return skinny_linear(x, skinny, bias, outputs);
-  return onednn_linear(x, blocked, bias);
+// linear.py's packed_linear: skinny_linear, or block_linear for a weight in its file's blocks
+Tensor packed_linear(const Tensor& x, const Tensor& skinny, int64_t format, const std::optional<Tensor>& bias,
+                     int64_t outputs) {
+  return format != 0 ? block_linear(x, skinny, format, bias, outputs) : skinny_linear(x, skinny, bias, outputs);
 }
 
 }  // namespace
 
-// norms: per layer norm1, norm2. skinny, blocked, formats, biases: per layer the products qkv, o,
-// gate_up, down, as linear.py packs them (format 0: a float weight; else its blocks' ggml type,
-// with no oneDNN copy). cos, sin: [T, 1, head_dim], sin sign-folded as in
-// stack.py. kv: the whole pool, [layers, 2, kv_heads, slots, head_dim]. The attention arguments
+// norms: per layer norm1, norm2. skinny, formats, biases: per layer the products qkv, o,
+// gate_up, down, as linear.py packs them (format 0: a float weight; else its blocks' ggml type).
+// cos, sin: [T, 1, head_dim], sin sign-folded as in stack.py. kv: the whole pool, [layers, 2, kv_heads, slots, head_dim]. The attention arguments
 // are paged_attention's, for the batch's one group of short windows.
 std::tuple<Tensor, Tensor> layer_stack(Tensor x, Tensor cos, Tensor sin, const std::vector<Tensor>& norms,
-                                       const std::vector<Tensor>& skinny, const std::vector<Tensor>& blocked,
-                                       const std::vector<int64_t>& formats,
-                                       const std::vector<std::optional<Tensor>>& biases, int64_t skinny_rows,
-                                       int64_t pack_rows,
-                                       Tensor final_norm,
+                                       const std::vector<Tensor>& skinny, const std::vector<int64_t>& formats,
+                                       const std::vector<std::optional<Tensor>>& biases, Tensor final_norm,
                                        Tensor kv, Tensor slot_mapping, Tensor ctx, int64_t base, Tensor starts,
                                        Tensor windows, Tensor frozen, const std::vector<double>& scaling, double eps,
                                        int64_t heads, int64_t kv_heads, int64_t inter) {
   const int64_t layers = static_cast<int64_t>(scaling.size());
   const auto per_layer = [&](const auto& v, int64_t n) { return static_cast<int64_t>(v.size()) == n * layers; };
-  TORCH_CHECK(per_layer(norms, 2) && per_layer(skinny, 4) && per_layer(blocked, 4) && per_layer(formats, 4) &&
+  TORCH_CHECK(per_layer(norms, 2) && per_layer(skinny, 4) && per_layer(formats, 4) &&
                   per_layer(biases, 4),
               "layer_stack: two norms and four products per layer");
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) >= layers, "layer_stack: the pool is [layers, 2, kv_heads, slots, D]");
@@ -70,8 +41,7 @@ std::tuple<Tensor, Tensor> layer_stack(Tensor x, Tensor cos, Tensor sin, const s
   std::optional<Tensor> delta;  // what the last layer adds to x, before the next norm
   for (int64_t i = 0; i < layers; ++i) {
     const auto product = [&](const Tensor& in, int j) {
-      return packed_linear(in, skinny[4 * i + j], blocked[4 * i + j], formats[4 * i + j], biases[4 * i + j], outputs[j],
-                           skinny_rows, pack_rows);
+      return packed_linear(in, skinny[4 * i + j], formats[4 * i + j], biases[4 * i + j], outputs[j]);
     };
     auto [h, normed] = residual_norm(x, delta, norms[2 * i], eps);
     const Tensor pool = kv[i];

@@ -1,6 +1,8 @@
-// y = x @ W^T + b for few rows of x (decode rows, verification windows), CPU float32.
+// y = x @ W^T + b, CPU float32, for every row count the engine runs: decode rows, verification
+// windows, prompt passes.
 //
-// Such a product is bound by reading W once from memory. The weight is packed once into
+// A product of few rows is bound by reading W once from memory; one of many rows by arithmetic,
+// and then each column block stays in cache while every row passes over it. The weight is packed once into
 // column blocks, [ceil(N / B), K, B] with B = kBlock: a block's B outputs at one k are one
 // contiguous run, so a block is a single forward stream that the loop prefetches ahead of
 // itself, and each k costs one vector load per vector of the block and one multiply-add per
@@ -22,7 +24,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -31,61 +32,9 @@ namespace {
 
 using namespace pie;
 
-constexpr int64_t kPrefetch = 1024;  // weights ahead: 4 KiB of float32, 2 KiB of bfloat16
-
 // the dtypes blocks hold: skinny_pack takes a weight of one, skinny_linear reads blocks of one
 inline bool block_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
-}
-
-// kLanes weights from the blocks, as float32
-inline vf load_w(const float* p) { return load(p); }
-
-inline vf load_w(const at::BFloat16* p) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-#elif defined(__AVX2__)
-  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-#else
-  vf v;
-  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
-  return v;
-#endif
-}
-
-// R rows of x times one block over all K, into cols (<= kBlock) columns of y
-template <int R, typename W>
-void block_rows(const W* __restrict w, const float* __restrict x, int64_t k, float* __restrict y,
-                int64_t y_stride, int64_t cols, const float* __restrict bias) {
-  vf acc[R][kVecs];
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < kVecs; ++j) acc[m][j] = vf{};
-  for (int64_t i = 0; i < k; ++i) {
-    const W* wi = w + i * kBlock;
-    prefetch(reinterpret_cast<const float*>(wi + kPrefetch), kBlock * sizeof(W) / sizeof(float));
-    vf wv[kVecs];
-    for (int j = 0; j < kVecs; ++j) wv[j] = load_w(wi + kLanes * j);
-    for (int m = 0; m < R; ++m) {
-      const float xv = x[m * k + i];
-      for (int j = 0; j < kVecs; ++j) acc[m][j] = fmadd(wv[j], xv, acc[m][j]);
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    float out[kBlock];
-    std::memcpy(out, acc[m], sizeof out);
-    if (bias != nullptr)
-      for (int64_t c = 0; c < cols; ++c) out[c] += bias[c];
-    std::memcpy(y + m * y_stride, out, cols * sizeof(float));
-  }
-}
-
-template <int R = kRows, typename W>
-void tile(int rows, const W* w, const float* x, int64_t k, float* y, int64_t y_stride, int64_t cols,
-          const float* bias) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile<R - 1>(rows, w, x, k, y, y_stride, cols, bias);
-  }
-  block_rows<R>(w, x, k, y, y_stride, cols, bias);
 }
 
 template <typename W>
@@ -95,7 +44,7 @@ void run_blocks(const W* wp, const float* xp, const float* bp, float* yp, int64_
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
       for (int64_t r = 0; r < m; r += kRows)
-        tile(static_cast<int>(std::min<int64_t>(kRows, m - r)), wp + b * k * kBlock, xp + r * k, k,
+        float_tile(static_cast<int>(std::min<int64_t>(kRows, m - r)), wp + b * k * kBlock, xp + r * k, k,
              yp + r * n + c0, n, cols, bp == nullptr ? nullptr : bp + c0);
     }
   });
