@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: {e}", file=sys.stderr)
         return 2
     common = ["--prompt", args.prompt, "--chat", "--max-tokens", str(args.max_tokens)]
-    print(f"model {engine.info.name} ({engine.info.dtype}, {engine.info.device}); prompt: {args.prompt!r}\n")
+    rec = store.read_record(engine.info.name)
+    print(f"model {engine.info.name}: weights {rec.format_summary()}, {rec.bytes / 1e6:.0f} MB; computing in "
+          f"{engine.info.dtype} on {engine.info.device}; prompt: {args.prompt!r}\n")
     results = {}
     with Runtime(engine) as rt:
         for name, wasm in (("text-completion", plain), ("cacheback-speculative-decoding", spec)):

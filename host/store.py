@@ -45,6 +45,7 @@ class ModelRecord:
     path: str = ""
     formats: dict[str, int] = field(default_factory=dict)  # tensors kept in a file's blocks: name -> ggml type
     bytes: int = 0  # the weights' size in the store
+    native: bool = False  # a GGUF file read as stored (`--dtype auto`): its blocks kept where a kernel reads them
 
     def format_summary(self) -> str:
         """The weights' formats, e.g. `Q4_1 x210, Q8_0 x1, float32`."""
@@ -251,17 +252,29 @@ def _import_model(source, name, dtype, drafter, progress):
     torch_dtype = resolve_dtype(dtype, resolve_device("auto"))
     dtype_name = str(torch_dtype).removeprefix("torch.")
     dest = models_dir() / name
+    stale = None
     if (dest / "pie.json").is_file():
         rec = read_record(name)
-        # `auto` takes the source's import in any dtype (one made under an older default, say):
-        # the engine converts the weights to its dtype when it opens them
-        if rec.source == source_id and (dtype == "auto" or (rec.dtype == dtype_name and not rec.formats)):
+        if rec.source != source_id:
+            raise ImportFailed(f"a different model is already imported as {name!r}; "
+                               f"run `pie model remove {name}` or choose --name")
+        # a GGUF file with `auto` is read as stored; a model folder with `auto` takes its import in
+        # any dtype (the engine converts the weights when it opens them); a dtype asked, that one
+        if (rec.native if gguf and dtype == "auto" else dtype == "auto" or (rec.dtype == dtype_name and not rec.native)):
             new = [(d, f) for d, f in drafters if d not in rec.drafters]
             if not new:
                 return rec, False
             return _attach_drafters(rec, folder, new), True
-        raise ImportFailed(f"a different model is already imported as {name!r}; "
-                           f"run `pie model remove {name}` or choose --name")
+        if not (gguf and dtype == "auto"):
+            raise ImportFailed(f"a different model is already imported as {name!r} ({rec.format_summary()}, not "
+                               f"--dtype {dtype}); run `pie model remove {name}` or choose --name")
+        # a GGUF's widened import (an older version's, or --dtype float32's) where it is now asked
+        # as stored: made again, with the heads it had
+        stale = rec
+        asked = [d for d, _ in drafters]
+        drafters = drafters + [(d, None if d == MTP else dest / "drafters" / d) for d in rec.drafters if d not in asked]
+        log.warning("pie: %s is stored as %s; importing it again as stored in its file (--dtype auto)", name,
+                    rec.format_summary())
     if not gguf:
         layouts.check_target_supported(layouts.read_config(folder))  # before loading any weights
 
@@ -274,7 +287,7 @@ def _import_model(source, name, dtype, drafter, progress):
         if gguf and dtype == "auto":
             rec = _import_native(folder, gguf, name, source_id, drafters, tmp, steps)
             tmp.chmod(0o755)
-            os.replace(tmp, dest)
+            _install(tmp, dest, stale)
             steps.update()
             rec.path = str(dest)
             return rec, True
@@ -303,7 +316,7 @@ def _import_model(source, name, dtype, drafter, progress):
         rec.bytes = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         (tmp / "pie.json").write_text(json.dumps(asdict(rec), indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it private; the store is readable like any cache
-        os.replace(tmp, dest)
+        _install(tmp, dest, stale)
         steps.update()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,6 +325,21 @@ def _import_model(source, name, dtype, drafter, progress):
         steps.close()
     rec.path = str(dest)
     return rec, True
+
+
+def _install(tmp: Path, dest: Path, stale: ModelRecord | None) -> None:
+    """The finished entry tmp in dest's place; a stale entry there is replaced."""
+    if stale is not None:
+        old = dest.with_name(f".stale-{dest.name}-{os.getpid()}")
+        os.replace(dest, old)
+        try:
+            os.replace(tmp, dest)
+        except BaseException:
+            os.replace(old, dest)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.replace(tmp, dest)
 
 
 def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters, tmp: Path, steps) -> ModelRecord:
@@ -349,7 +377,8 @@ def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters,
         steps.update()
     tokenizer.save_pretrained(tmp)
     rec = ModelRecord(name=name, source=source_id, architecture=type(model).__name__, parameters=parameters,
-                      dtype="float32", drafters=[d for d, _ in drafters], formats=formats, bytes=nbytes)
+                      dtype="float32", drafters=[d for d, _ in drafters], formats=formats, bytes=nbytes,
+                      native=True)
     (tmp / "pie.json").write_text(json.dumps(asdict(rec), indent=2))
     return rec
 

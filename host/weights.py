@@ -92,7 +92,7 @@ def write(tensors: dict[str, torch.Tensor], formats: dict[str, int], dest: Path)
 
 def parameters(tensors: dict[str, torch.Tensor], formats: dict[str, int]) -> int:
     """The weights' count, a tensor in blocks counted by the weights its rows hold."""
-    return sum(t.shape[0] * (t.shape[1] // blocks.FORMATS[formats[k]].block_bytes * blocks.GROUP)
+    return sum(t.shape[0] * (t.shape[1] // blocks.FORMATS[formats[k]].block_bytes * blocks.FORMATS[formats[k]].block_weights)
                if k in formats else t.numel() for k, t in tensors.items())
 
 

@@ -47,14 +47,12 @@ def scalar_path(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def engine():
-    """The default model in float32, imported into the store first if needed."""
+    """The default model in float32, imported into the store first if needed (again if the store
+    holds another import of it): the native one, its file's blocks kept."""
     from host import store
-    from host.errors import ModelNotFound
 
-    try:
-        store.read_record(store.DEFAULT_MODEL)
-    except ModelNotFound:
-        store.import_model(store.DEFAULT_MODEL, progress=False)
+    rec, _ = store.import_model(store.DEFAULT_MODEL, progress=False)
+    assert rec.native and rec.formats, f"the default model should be stored native, not as {rec.format_summary()}"
     return store.open_engine(dtype="float32", device="cpu", kv_pages=1024)
 
 

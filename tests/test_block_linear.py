@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from host.engine import blocks, kernels
 
-FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1]
+FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +28,26 @@ def random_blocks(kind: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     tiny, ordinary and near-largest magnitudes of both signs (never inf or NaN)."""
     rng = np.random.default_rng(seed)
     fmt = blocks.FORMATS[kind]
-    raw = rng.integers(0, 256, size=(n, k // 32, fmt.block_bytes), dtype=np.uint8)
+    nb = k // fmt.block_weights
+    raw = rng.integers(0, 256, size=(n, nb, fmt.block_bytes), dtype=np.uint8)
     picks = np.array([0x0001, 0x03FF, 0x0400, 0x1C00, 0x3C00, 0x2E66, 0x7BFF, 0x0000], dtype=np.uint16)
-    for s in range(fmt.scales):
-        bits = rng.integers(0, 0x7C00, size=(n, k // 32), dtype=np.uint16)  # any finite magnitude
-        chosen = rng.random((n, k // 32)) < 0.5
+    for at in fmt.float16_at:
+        bits = rng.integers(0, 0x7C00, size=(n, nb), dtype=np.uint16)  # any finite magnitude
+        chosen = rng.random((n, nb)) < 0.5
         bits[chosen] = rng.choice(picks, size=int(chosen.sum()))
-        bits |= (rng.random((n, k // 32)) < 0.5).astype(np.uint16) << 15
-        raw[..., 2 * s:2 * s + 2] = bits[..., None].view(np.uint8).reshape(n, k // 32, 2)
+        bits |= (rng.random((n, nb)) < 0.5).astype(np.uint16) << 15
+        raw[..., at:at + 2] = bits[..., None].view(np.uint8).reshape(n, nb, 2)
     return raw.reshape(n, -1)
 
 
 def dequantized(raw: np.ndarray, kind: T, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(raw.shape[0], k).astype(np.float32))
+
+
+def whole_blocks(kind: T, k: int) -> int:
+    """k rounded up to whole blocks of the format (a K-quant's super-blocks are 256 weights)."""
+    bw = blocks.FORMATS[kind].block_weights
+    return -(-k // bw) * bw
 
 
 def scaled_x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -51,6 +58,7 @@ def scaled_x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(200, 96), (64, 32), (7, 576)])
 def test_products_have_the_bits_of_the_dequantized_float32_kernel(ops, kind, n, k):
+    k = whole_blocks(kind, k)
     raw = random_blocks(kind, n, k)
     dense = dequantized(raw, kind, k)
     packed = blocks.repack(torch.from_numpy(raw), kind, ops.block)
@@ -72,7 +80,7 @@ def test_products_have_the_bits_of_the_dequantized_float32_kernel(ops, kind, n, 
 
 @pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
 def test_widened_weights_are_gguf_dequantize(ops, kind):
-    n, k = 150, 128
+    n, k = 150, whole_blocks(kind, 128)
     raw = random_blocks(kind, n, k, seed=3)
     dense = dequantized(raw, kind, k)
     packed = blocks.repack(torch.from_numpy(raw), kind, ops.block)
@@ -82,7 +90,7 @@ def test_widened_weights_are_gguf_dequantize(ops, kind):
     assert torch.equal(blocks.dequantize(torch.from_numpy(raw), kind), dense)  # the kernel-less path
 
 
-@pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)  # gguf-py quantizes no K-quant
 def test_blocks_that_gguf_py_quantized(ops, kind):
     w = np.random.default_rng(4).standard_normal((96, 256)).astype(np.float32)
     raw = gguf.quants.quantize(w, kind)
@@ -97,7 +105,7 @@ def test_refusals(ops):
     packed = blocks.repack(torch.from_numpy(raw), T.Q8_0, ops.block)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="no kernel"):
-        ops.block_linear(x, packed, 12, None, 70)  # Q4_K
+        ops.block_linear(x, packed, 6, None, 70)  # Q5_0
     with pytest.raises(RuntimeError, match="groups are"):
         ops.block_linear(x, packed, T.Q4_0, None, 70)
     with pytest.raises(RuntimeError, match="columns"):

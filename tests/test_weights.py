@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from host import store
+from host.errors import ImportFailed
 from host.engine import Engine, Pass, blocks
 
 SHIPPED = store._alias_file(store.DEFAULT_MODEL)
@@ -21,10 +22,17 @@ HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 128, 4, 2, 256, 2
 # per layer tensor -> its type: every kernel's format, and Q5_0 (no kernel: widened at import)
 TYPES = {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "attn_output": T.Q8_0,
          "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q5_0}
+# a Q4_K_M-style mix, as llama.cpp writes one: Q4_K, with Q6_K for attention values and half the
+# feed-forward downs (Q5_K for the other half here, to cover it); a tensor's type per layer
+K_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
+           "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": (T.Q6_K, T.Q5_K)}
 
 
-def write_tiny_gguf(path: Path, arch: str, *, tied: bool, biases: bool, name: str = "tiny") -> None:
-    """A random checkpoint with the shipped model's tokenizer (its vocabulary and chat template)."""
+def write_tiny_gguf(path: Path, arch: str, *, tied: bool, biases: bool, name: str = "tiny", types=None,
+                    hidden: int = HIDDEN, inter: int = INTER, embedding: T = T.Q8_0) -> None:
+    """A random checkpoint with the shipped model's tokenizer (its vocabulary and chat template).
+    K-quant tensors (which gguf-py cannot quantize) are random super-blocks with small scales."""
+    types = TYPES if types is None else types
     src = gguf.GGUFReader(SHIPPED)
     f = {k: v.contents() for k, v in src.fields.items() if k.startswith("tokenizer.")}
     vocab = len(f["tokenizer.ggml.tokens"])
@@ -32,8 +40,8 @@ def write_tiny_gguf(path: Path, arch: str, *, tied: bool, biases: bool, name: st
     w.add_name(name)
     w.add_block_count(LAYERS)
     w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTER)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
@@ -52,25 +60,34 @@ def write_tiny_gguf(path: Path, arch: str, *, tied: bool, biases: bool, name: st
     rng = np.random.default_rng(0)
 
     def add(tname: str, shape: tuple[int, ...], kind: T, scale: float = 0.08) -> None:
+        fmt = blocks.format_of(kind)
+        if fmt is not None and fmt.block_weights == 256:
+            raw = rng.integers(0, 256, size=(shape[0], shape[1] // 256, fmt.block_bytes), dtype=np.uint8)
+            for at in fmt.float16_at:  # a weight is at most ~63 * 15 scales
+                d = (np.abs(rng.standard_normal(raw.shape[:2])) * scale / 400).astype(np.float16)
+                raw[..., at:at + 2] = d[..., None].view(np.uint8)
+            w.add_tensor(tname, raw.reshape(shape[0], -1), raw_dtype=kind)
+            return
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
         if kind == T.F32:
             w.add_tensor(tname, data)
         else:
             w.add_tensor(tname, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
-    add("token_embd.weight", (vocab, HIDDEN), T.Q8_0, 1.0)
+    add("token_embd.weight", (vocab, hidden), embedding, 1.0)
     if not tied:
-        add("output.weight", (vocab, HIDDEN), T.Q8_0)
-    add("output_norm.weight", (HIDDEN,), T.F32, 1.0)
-    hd = HIDDEN // HEADS
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * hd, HIDDEN), "attn_v": (KV_HEADS * hd, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
-              "ffn_down": (HIDDEN, INTER)}
+        add("output.weight", (vocab, hidden), T.Q6_K if embedding == T.Q4_K else T.Q8_0)
+    add("output_norm.weight", (hidden,), T.F32, 1.0)
+    hd = hidden // HEADS
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (KV_HEADS * hd, hidden), "attn_v": (KV_HEADS * hd, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
     for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", (HIDDEN,), T.F32, 1.0)
-        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,), T.F32, 1.0)
+        add(f"blk.{i}.attn_norm.weight", (hidden,), T.F32, 1.0)
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), T.F32, 1.0)
         for t, shape in shapes.items():
-            add(f"blk.{i}.{t}.weight", shape, TYPES[t])
+            kind = types[t][i % len(types[t])] if isinstance(types[t], tuple) else types[t]
+            add(f"blk.{i}.{t}.weight", shape, kind)
         if biases:
             for t in ("attn_q", "attn_k", "attn_v"):
                 add(f"blk.{i}.{t}.bias", (shapes[t][0],), T.F32)
@@ -126,9 +143,48 @@ def test_a_gguf_keeps_its_blocks_and_decodes_as_its_float32_import(tmp_path, mon
     assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
 
 
+@pytest.mark.parametrize("arch,tied,biases", [("llama", True, False), ("qwen2", False, True)], ids=["llama", "qwen2"])
+def test_a_k_quant_mix_keeps_its_blocks_and_decodes_as_its_float32_import(tmp_path, monkeypatch, caplog, arch,
+                                                                          tied, biases):
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"{arch}-q4_k_m.gguf"
+    write_tiny_gguf(path, arch, tied=tied, biases=biases, types=K_TYPES, hidden=256, inter=512, embedding=T.Q4_K)
+    native, _ = store.import_model(str(path), name="native", drafter=[], progress=False)
+    assert "widened" not in caplog.text  # every type has a kernel
+    want = {"Q4_K", "Q5_K", "Q6_K"}
+    assert {blocks.FORMATS[k].name for k in native.formats.values()} == want
+    widened, _ = store.import_model(str(path), name="widened", dtype="float32", drafter=[], progress=False)
+    assert native.parameters == widened.parameters and native.bytes < widened.bytes / 3
+    a = store.open_engine("native", device="cpu", dtype="float32", kv_pages=64)
+    assert a.stack.native is not None  # the C++ layer loop, q and k apart from v (Q6_K)
+    b = store.open_engine("widened", device="cpu", dtype="float32", kv_pages=64)
+    ids = a.tokenizer("The capital of France is")["input_ids"]
+    toks_a, logits_a = greedy(a, ids, 12)
+    toks_b, logits_b = greedy(b, ids, 12)
+    assert toks_a == toks_b
+    assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+
+
 def test_the_default_models_native_import_is_the_files_size(tmp_path, monkeypatch):
     monkeypatch.setenv("PIE_HOME", str(tmp_path))
     rec, _ = store.import_model(store.DEFAULT_MODEL, drafter=[], progress=False)
     assert {blocks.FORMATS[k].name for k in rec.formats.values()} == {"Q4_1", "Q8_0"}
     assert len(rec.formats) == 211
     assert rec.bytes <= SHIPPED.stat().st_size  # the blocks as stored, the norms beside them
+
+
+def test_a_widened_import_is_made_again_as_stored_when_auto_asks(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", tied=True, biases=False)
+    wide, _ = store.import_model(str(path), name="m", dtype="float32", drafter=[], progress=False)
+    assert not wide.native and not wide.formats
+    again, created = store.import_model(str(path), name="m", dtype="float32", drafter=[], progress=False)
+    assert not created and again.bytes == wide.bytes  # as asked already: kept
+    native, created = store.import_model(str(path), name="m", drafter=[], progress=False)  # auto: as stored
+    assert created and native.native and native.formats and "stored as float32" in caplog.text
+    assert store.read_record("m").native and native.bytes < wide.bytes / 3
+    assert not [p for p in (tmp_path / "home" / "models").iterdir() if p.name.startswith(".")]  # nothing left over
+    with pytest.raises(ImportFailed, match=r"different model .*Q4_0 .*not --dtype float32"):
+        store.import_model(str(path), name="m", dtype="float32", drafter=[], progress=False)
+    assert store.import_model(str(path), name="m", drafter=[], progress=False)[1] is False

@@ -1,10 +1,15 @@
-"""Weights kept in their file's block format (GGUF's Q8_0, Q4_0, Q4_1), for csrc/block_linear.cpp.
+"""Weights kept in their file's block format (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), for
+csrc/block_linear.cpp.
 
-A GGUF row of K weights is K / 32 blocks, each a few float16 scales and 32 quants. The kernel
-reads them repacked to skinny_linear's column blocks: for each `SkinnyOps.block` outputs and
-32 k, the outputs' scales side by side, then each k's quants side by side (`repack`). It widens
-each weight with gguf-py's own formula, exactly, so a product over blocks has the bits of the
-float32 kernel over `gguf.quants.dequantize` (tests/test_block_linear.py).
+A GGUF row of K weights is K / 32 blocks (K / 256 super-blocks for the K-quants), each some
+scales and its quants. `groups` reads a file's blocks as the kernel's groups: for each group of
+k that shares scales (32; 16 for Q6_K), its scales (a legacy block's float16 d and m; a
+K-quant's super-block scale times the group's own, as float32, exactly as gguf-py computes
+them) and its quants as small integers. `repack` lays them out as skinny_linear's column blocks:
+for each `SkinnyOps.block` outputs and group, the outputs' scales side by side, then each k's
+quants side by side. The kernel widens each weight with gguf-py's own formula, exactly, so a
+product over blocks has the bits of the float32 kernel over `gguf.quants.dequantize`
+(tests/test_block_linear.py).
 
 Only this module knows the block layouts; everything else names a format by its ggml type.
 """
@@ -12,26 +17,98 @@ Only this module knows the block layouts; everything else names a format by its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-GROUP = 32  # weights along a row one block covers, in every format here
+Groups = tuple[list[torch.Tensor], torch.Tensor]  # scales [N, G] each, quants uint8 [N, G, group]
 
 
 @dataclass(frozen=True)
 class Format:
+    """A GGUF block format the kernel reads: the file's blocks, and the kernel's groups."""
     name: str
     ggml: int  # gguf.GGMLQuantizationType's number, the kernel's format argument
-    scales: int  # float16 scales a block starts with: d, or d then m
-    bits: int  # bits a quant
+    block_weights: int  # weights along a row one file block holds
+    block_bytes: int  # bytes a file block takes
+    float16_at: tuple[int, ...]  # offsets of a file block's float16 scales
+    group: int  # k one set of the kernel's scales covers
+    bits: int  # bits the kernel stores a quant in: 4 (two a byte) or 8 (int8)
+    unpack: Callable[[torch.Tensor], Groups]  # [N, blocks, block_bytes] uint8 -> the kernel's groups
+    offset: int = 0  # what a quant's value is less: w = d * (q - offset)
 
-    @property
-    def block_bytes(self) -> int:
-        """A GGUF block: its scales, then 32 quants."""
-        return 2 * self.scales + GROUP * self.bits // 8
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block, as float32 (exact)."""
+    return b[..., at:at + 2].contiguous().view(torch.float16).squeeze(-1).float()
 
 
-FORMATS = {f.ggml: f for f in (Format("Q4_0", 2, 1, 4), Format("Q4_1", 3, 2, 4), Format("Q8_0", 8, 1, 8))}
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """A legacy block's 16 bytes as its 32 quants: quant i < 16 is byte i's low nibble, i + 16 its high one."""
+    return torch.cat([qs & 0x0F, qs >> 4], -1)
+
+
+def _legacy(scales: int, bits: int) -> Callable[[torch.Tensor], Groups]:
+    def unpack(b: torch.Tensor) -> Groups:
+        qs = b[..., 2 * scales:]
+        return [_f16(b, 2 * s).half() for s in range(scales)], (qs if bits == 8 else _nibbles(qs)).contiguous()
+    return unpack
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins, as gguf-py's get_scale_min: [N, B, 8] each."""
+    s = b[..., 4:16].reshape(*b.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc, mn
+
+
+def _k_dm(b: torch.Tensor) -> list[torch.Tensor]:
+    """A Q4_K/Q5_K group's scale d * sc and negated min -(dmin * m): float32 [N, B * 8], each exact."""
+    sc, mn = _k_scales(b)
+    d = _f16(b, 0)[..., None] * sc.float()
+    m = _f16(b, 2)[..., None] * mn.float()
+    return [d.flatten(-2), (-m).flatten(-2)]
+
+
+def _low_high(qs: torch.Tensor, span: int) -> torch.Tensor:
+    """Quants stored as low then high nibbles of each `span`-byte run: [..., runs * 2, span]."""
+    q = qs.reshape(*qs.shape[:-1], -1, 1, span)
+    return torch.cat([q & 0x0F, q >> 4], -2).flatten(-3, -2)
+
+
+def _q4_k(b: torch.Tensor) -> Groups:
+    n, nb = b.shape[:2]
+    return _k_dm(b), _low_high(b[..., 16:144], 32).reshape(n, nb * 8, 32)
+
+
+def _q5_k(b: torch.Tensor) -> Groups:
+    n, nb = b.shape[:2]
+    low = _low_high(b[..., 48:176], 32)  # [N, B, 8, 32]
+    qh = b[..., 16:48]  # bit s of byte i: quant i's fifth bit in group s
+    high = torch.stack([(qh >> s) & 1 for s in range(8)], -2)
+    return _k_dm(b), (low | (high << 4)).reshape(n, nb * 8, 32)
+
+
+def _q6_k(b: torch.Tensor) -> Groups:
+    n, nb = b.shape[:2]
+    low = _low_high(b[..., 0:128], 64).reshape(n, nb, 8, 32)  # 2 runs of 64 bytes, low then high nibbles
+    qh = b[..., 128:192].reshape(n, nb, 2, 1, 32)
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], -2).reshape(n, nb, 8, 32)
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
+    d = _f16(b, 208)[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()  # [N, B, 16]
+    return [d.flatten(-2)], q.reshape(n, nb * 16, 16)
+
+
+FORMATS = {f.ggml: f for f in (
+    Format("Q4_0", 2, 32, 18, (0,), 32, 4, _legacy(1, 4), offset=8),
+    Format("Q4_1", 3, 32, 20, (0, 2), 32, 4, _legacy(2, 4)),
+    Format("Q8_0", 8, 32, 34, (0,), 32, 8, _legacy(1, 8)),
+    Format("Q4_K", 12, 256, 144, (0, 2), 32, 4, _q4_k),
+    Format("Q5_K", 13, 256, 176, (0, 2), 32, 8, _q5_k),
+    Format("Q6_K", 14, 256, 210, (208,), 16, 8, _q6_k),
+)}
 
 
 def format_of(ggml: int) -> Format | None:
@@ -39,30 +116,35 @@ def format_of(ggml: int) -> Format | None:
     return FORMATS.get(ggml)
 
 
-def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
-    """A GGUF tensor's bytes, [N, K / 32 * block_bytes] uint8 (a weight's rows), as the kernel's
-    [ceil(N / block), K / 32, group bytes]: the `block` columns' scales (each scale in turn,
-    float16 bytes), then for each of the 32 k its `block` quants (4-bit ones two a byte: column
-    c's low nibble, column c + block / 2's high one). Missing columns are zero blocks."""
+def groups(raw: torch.Tensor, ggml: int) -> Groups:
+    """A GGUF tensor's bytes, [N, row bytes] uint8 (a weight's rows), as the kernel's groups."""
     fmt = FORMATS[ggml]
     n, row_bytes = raw.shape
     if raw.dtype != torch.uint8 or row_bytes % fmt.block_bytes:
         raise ValueError(f"{fmt.name}: rows of {row_bytes} bytes are not whole {fmt.block_bytes}-byte blocks")
-    groups, nb = row_bytes // fmt.block_bytes, -(-n // block)
-    padded = torch.zeros(nb * block, groups, fmt.block_bytes, dtype=torch.uint8)
-    padded[:n] = raw.view(n, groups, fmt.block_bytes)
-    g = padded.view(nb, block, groups, fmt.block_bytes).permute(0, 2, 1, 3)  # [nb, G, block, bytes]
-    head = 2 * fmt.scales
-    parts = [g[..., 2 * s:2 * s + 2].reshape(nb, groups, 2 * block) for s in range(fmt.scales)]
-    qs = g[..., head:]
-    if fmt.bits == 8:
-        q = qs  # [nb, G, block, 32]
-    else:  # gguf's quant i < 16 is byte i's low nibble, quant i + 16 its high one
-        q = torch.cat([qs & 0x0F, qs >> 4], -1)
-    q = q.transpose(-1, -2)  # [nb, G, 32, block]
+    return fmt.unpack(raw.view(n, row_bytes // fmt.block_bytes, fmt.block_bytes))
+
+
+def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
+    """A GGUF tensor's bytes, [N, row bytes] uint8, as the kernel's [ceil(N / block), G, group
+    bytes]: the `block` columns' scales (each scale in turn, its bytes), then for each k of the
+    group its `block` quants (4-bit ones two a byte: column c's low nibble, column c + block / 2's
+    high one). Missing columns are zero."""
+    fmt = FORMATS[ggml]
+    scales, q = groups(raw, ggml)
+    n, g = q.shape[:2]
+    nb = -(-n // block)
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [N, G, ...] -> [nb, G, block, ...], zero-padded
+        padded = torch.zeros(nb * block, *t.shape[1:], dtype=t.dtype)
+        padded[:n] = t
+        return padded.view(nb, block, *t.shape[1:]).transpose(1, 2)
+
+    parts = [columns(s).contiguous().view(torch.uint8).reshape(nb, g, -1) for s in scales]
+    q = columns(q).transpose(-1, -2)  # [nb, G, group, block]
     if fmt.bits == 4:
         q = q[..., :block // 2] | (q[..., block // 2:] << 4)
-    parts.append(q.reshape(nb, groups, -1))
+    parts.append(q.reshape(nb, g, -1))
     return torch.cat(parts, -1).contiguous()
 
 
@@ -70,16 +152,16 @@ def dequantize(raw: torch.Tensor, ggml: int) -> torch.Tensor:
     """A GGUF tensor's bytes [N, row bytes] as float32 [N, K], with gguf-py's formulas in torch:
     the same float32s as gguf.quants.dequantize (where the kernels are not built, or off the CPU)."""
     fmt = FORMATS[ggml]
-    n = raw.shape[0]
-    b = raw.reshape(n, -1, fmt.block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()
-    qs = b[..., 2 * fmt.scales:]
+    scales, q = groups(raw, ggml)
+    n = q.shape[0]
+    d = scales[0].float()[..., None]
     if fmt.bits == 8:
-        return (d * qs.contiguous().view(torch.int8).float()).reshape(n, -1)
-    q = torch.cat([qs & 0x0F, qs >> 4], -1).float()
-    if fmt.scales == 2:  # Q4_1: d * q is exact, so one rounding, as gguf's (d * q) + m
-        return (d * q + b[..., 2:4].contiguous().view(torch.float16).float()).reshape(n, -1)
-    return (d * (q - 8)).reshape(n, -1)
+        qf = q.view(torch.int8).float()
+    else:
+        qf = q.float() - fmt.offset
+    if len(scales) == 2:  # d * q is exact: one rounding, as gguf's (d * q) + m and d * q - dm
+        return (d * qf + scales[1].float()[..., None]).reshape(n, -1)
+    return (d * qf).reshape(n, -1)
 
 
 class BlockLinear(torch.nn.Module):

@@ -52,21 +52,57 @@ def _clear_stale_baton(build_dir: Path) -> None:
 
 @functools.cache
 def _module():
+    return _build(f"pie_kernels_{_machine_tag()}", SOURCES, FLAGS)
+
+
+def _build(name: str, sources: list[Path], flags: list[str]):
     from torch.utils.cpp_extension import load
 
-    name = f"pie_kernels_{_machine_tag()}"
     try:
         build_dir = _build_dir(name)
         build_dir.mkdir(parents=True, exist_ok=True)
         with open(build_dir.parent / f"{name}.flock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)  # one build at a time across processes; freed if one dies
             _clear_stale_baton(build_dir)
-            return load(name, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            return load(name, [str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                         build_directory=os.fspath(build_dir), verbose=False)
     except Exception as e:  # no compiler, no headers: torch's operators do the same work
         log.warning("pie: the CPU kernels could not be built (%s); the engine runs torch's operators instead",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
+
+
+# the instruction sets the products are written for (vec.h), widest first: each one's flags, and
+# the CPU flags it needs to run. The products' bits do not depend on the vector width (one
+# multiply-add chain over k per output), so the tests compare each narrower set this CPU runs
+# with its own build: an AVX-512 VM tests the AVX2 and scalar code too.
+VARIANTS = {"avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")),
+            "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c")),
+            "scalar": (["-march=x86-64"], ())}
+PRODUCT_SOURCES = [SOURCES[0], *(s for s in SOURCES if s.name in ("skinny_linear.cpp", "block_linear.cpp"))]
+
+
+def other_variants() -> list[str]:
+    """The VARIANTS narrower than this CPU's own build, which it can run (x86-64 only)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    have = set(line.split(":", 1)[1].split())
+    runs = [isa for isa, (_, needs) in VARIANTS.items() if set(needs) <= have]
+    return runs[1:]  # the widest it runs is what -march=native builds
+
+
+@functools.cache
+def variant(isa: str) -> SkinnyOps | None:
+    """The products (skinny_linear, block_linear) built for one of VARIANTS instead of this CPU's
+    own instruction set, or None where they cannot be built. For the tests: run only where
+    `other_variants()` names it."""
+    flags, _ = VARIANTS[isa]
+    mod = _build(f"pie_products_{isa}", PRODUCT_SOURCES, ["-O3", *flags, "-fopenmp", "-DPIE_PRODUCTS_ONLY"])
+    return None if mod is None else _skinny_ops(mod)
 
 
 def paged_attention() -> Callable | None:
@@ -94,8 +130,12 @@ class SkinnyOps(NamedTuple):
 def skinny() -> SkinnyOps | None:
     """The few-row products (csrc/skinny_linear.cpp, csrc/block_linear.cpp), or None."""
     mod = _module()
-    return None if mod is None else SkinnyOps(mod.skinny_pack, mod.skinny_linear, mod.skinny_block(), mod.block_linear,
-                                              mod.block_dense, mod.block_gather)
+    return None if mod is None else _skinny_ops(mod)
+
+
+def _skinny_ops(mod) -> SkinnyOps:
+    return SkinnyOps(mod.skinny_pack, mod.skinny_linear, mod.skinny_block(), mod.block_linear, mod.block_dense,
+                     mod.block_gather)
 
 
 class RowOps(NamedTuple):

@@ -223,27 +223,32 @@ class PackedLinears:
         return self._on
 
     @staticmethod
-    def packed(mods: list[torch.nn.Module]) -> Packed | None:
-        """The packed weight of the sibling linears' one product, or None: not packed."""
+    def parts(mods: list[torch.nn.Module]) -> list[Packed] | None:
+        """The packed weights whose products, side by side, are the sibling linears' outputs: their
+        fused group's one, or each sibling's own where they could not be fused (siblings in other
+        block formats, as a Q4_K_M file's Q6_K values beside Q4_K queries); None: not all packed."""
         group = getattr(mods[0], "_pie_group", (None,))[0]
         if group is not None and [getattr(m, "_pie_group", None) for m in mods] == [(group, i) for i in range(len(group.sizes))]:
-            return group.packed
-        if len(mods) == 1 and getattr(mods[0], "_pie_packed", None) is not None:
-            return mods[0]._pie_packed
-        return None
+            return [group.packed]
+        own = [getattr(m, "_pie_packed", None) for m in mods]
+        return None if any(p is None for p in own) else own
 
     def product(self, mods: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x -> the sibling linears' outputs side by side, as one tensor: the packed product of
-        their fused group (or of the one packed layer) while `active()`, else the stock layers."""
-        packed = self.packed(mods)
-        fast = None if packed is None else functools.partial(packed_linear, packed=packed)
+        """x -> the sibling linears' outputs side by side, as one tensor: the packed products of
+        `parts` while `active()`, else the stock layers."""
+        parts = self.parts(mods)
         stocks = [getattr(m, "_pie_stock", m.forward) for m in mods]
 
         def stock(x: torch.Tensor) -> torch.Tensor:
             return stocks[0](x) if len(stocks) == 1 else torch.cat([f(x) for f in stocks], -1)
 
-        if fast is None:
+        if parts is None:
             return stock
+        if len(parts) == 1:
+            fast = functools.partial(packed_linear, packed=parts[0])
+        else:
+            def fast(x: torch.Tensor) -> torch.Tensor:
+                return torch.cat([packed_linear(x, p) for p in parts], -1)
         return lambda x: fast(x) if self._on else stock(x)
 
     @contextmanager

@@ -66,23 +66,24 @@ class LayerStack:
         self.inter = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.layers = []
-        packed = []  # per layer, each product's packed weight and bias (None: not packed)
+        packed = []  # per layer and product, its packed parts (None: not packed)
         for layer in decoder.layers[:cfg.num_hidden_layers] if layers is None else layers:
             a, m = layer.self_attn, layer.mlp
             products = ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj])
             qkv, o, gate_up, down = (linears.product(ms) for ms in products)
             self.layers.append(Layer(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight,
                                      gate_up, down, a.scaling))
-            packed.append([PackedLinears.packed(ms) for ms in products])
-        # the C++ loop's arguments: every product packed for the kernels, or no C++ loop
-        products = [p for ps in packed for p in ps]
-        every = all(p is not None and p.skinny is not None for p in products)
+            packed.extend(PackedLinears.parts(ms) for ms in products)
+        # the C++ loop's arguments: every product packed for the kernels (in one part or several,
+        # side by side), or no C++ loop
+        parts = [p for ps in packed if ps is not None for p in ps]
+        every = all(ps is not None for ps in packed) and all(p.skinny is not None for p in parts)
         self.native = native if every and rows is not None else None
         self._native_args = []
         if self.native is not None:
             norms = [w for ly in self.layers for w in (ly.norm1, ly.norm2)]
-            self._native_args = [norms, [p.skinny for p in products], [p.format for p in products],
-                                 [p.bias for p in products]]
+            self._native_args = [norms, [len(ps) for ps in packed], [p.skinny for p in parts],
+                                 [p.format for p in parts], [p.bias for p in parts], [p.outputs for p in parts]]
         self._scaling = [ly.scaling for ly in self.layers]
 
     @classmethod

@@ -1,15 +1,19 @@
-// y = x @ W^T + b over a weight kept in its file's block format (GGUF's Q8_0, Q4_0, Q4_1), CPU.
+// y = x @ W^T + b over a weight kept in its file's block format (GGUF's Q8_0, Q4_0, Q4_1 and the
+// K-quants Q4_K, Q5_K, Q6_K), CPU.
 //
-// The weight stays in its blocks: 32 weights along k share float16 scales, each weight a few
-// bits. blocks.py repacks them into skinny_linear's column blocks, [ceil(N / kBlock), K / 32,
-// bytes]: per group of 32 k, the kBlock columns' scales, then each k's kBlock quants side by side
-// (two 4-bit quants a byte: column c's low nibble, column c + kBlock / 2's high one). A pass
-// widens each k's quants in registers with gguf-py's own formulas (gguf/quants.py):
-//   Q8_0 d * q,   Q4_0 d * (q - 8),   Q4_1 d * q + m (one fused rounding: d * q is exact),
-// each product of a float16 scale and a small integer exact in float32, so every widened weight
-// is the float32 that gguf.dequantize gives, and the multiply-add chain over k is skinny_linear's:
-// the output has the bits of the float32 kernel over the dequantized weight, for any row count
-// and wherever the row sits (tests/test_block_linear.py).
+// The weight stays in its blocks: a group of k (32; 16 for Q6_K) shares scales, each weight a
+// few bits. blocks.py repacks them into skinny_linear's column blocks, [ceil(N / kBlock),
+// K / group, bytes]: per group, the kBlock columns' scales, then each k's kBlock quants side by
+// side (two 4-bit quants a byte: column c's low nibble, column c + kBlock / 2's high one). A
+// K-quant's scales are its super-block's float16 scale times the group's 6- or 8-bit one, as
+// float32: each product exact, as gguf-py computes it. A pass widens each k's quants in
+// registers with gguf-py's own formulas (gguf/quants.py):
+//   Q8_0 d * q,  Q4_0 d * (q - 8),  Q6_K d * q,  Q4_1 d * q + m,  Q4_K and Q5_K d * q - m,
+// the last three with one rounding (d * q is exact), the rest products of a scale and a small
+// integer, one rounding as gguf's: every widened weight is the float32 that gguf.dequantize gives,
+// and the multiply-add chain over k is skinny_linear's: the output has the bits of the float32
+// kernel over the dequantized weight, for any row count and wherever the row sits
+// (tests/test_block_linear.py).
 #include "kernels.h"
 #include "skinny.h"
 #include "vec.h"
@@ -27,7 +31,6 @@ namespace {
 
 using namespace pie;
 
-constexpr int64_t kGroup = 32;    // weights along k a block's scales cover
 constexpr int64_t kAhead = 4096;  // bytes the stream is prefetched ahead
 
 // kLanes float16 values as float32 (exact)
@@ -86,48 +89,53 @@ inline void nibbles(const uint8_t* p, int offset, vf* q) {
 #endif
 }
 
-// A format's group: its header (the columns' scales), then kGroup steps of kStep bytes.
-struct Q8_0 {
-  static constexpr int64_t kHeader = 2 * kBlock, kStep = kBlock;
-  static constexpr int kRowsMax = kVecs == 4 ? 5 : 10;  // accumulators + weights + scales in registers
-  static void scales(const uint8_t* h, vf* d, vf*) {
-    for (int j = 0; j < kVecs; ++j) d[j] = halves(h + 2 * kLanes * j);
-  }
-  static void weights(const uint8_t* p, const vf* d, const vf*, vf* w) {
-    for (int j = 0; j < kVecs; ++j) w[j] = d[j] * signed_bytes(p + kLanes * j);
-  }
-};
-
-struct Q4_0 {
-  static constexpr int64_t kHeader = 2 * kBlock, kStep = kBlock / 2;
-  static constexpr int kRowsMax = kVecs == 4 ? 5 : 10;
-  static void scales(const uint8_t* h, vf* d, vf*) {
-    for (int j = 0; j < kVecs; ++j) d[j] = halves(h + 2 * kLanes * j);
-  }
-  static void weights(const uint8_t* p, const vf* d, const vf*, vf* w) {
-    nibbles(p, 8, w);
-    for (int j = 0; j < kVecs; ++j) w[j] = d[j] * w[j];
-  }
-};
-
-struct Q4_1 {
-  static constexpr int64_t kHeader = 4 * kBlock, kStep = kBlock / 2;  // d for each column, then m
-  static constexpr int kRowsMax = kVecs == 4 ? 4 : 10;
+// A format's group: its header (the columns' scales: d, then m where there is one, each kBlock
+// float16 or float32 values), then kGroup steps of kStep bytes (one k's quants: 4-bit pairs or
+// int8). Weights are d * q, or d * q + m in one rounding (blocks.py stores a K-quant's -min).
+template <bool F32, int Scales, bool Nibbles, int Offset, int64_t Group>
+struct Blocks {
+  static constexpr int64_t kGroup = Group;
+  static constexpr int64_t kScaleBytes = F32 ? 4 : 2;
+  static constexpr int64_t kHeader = Scales * kScaleBytes * kBlock, kStep = Nibbles ? kBlock / 2 : kBlock;
+  // accumulators + weights + scales in registers
+  static constexpr int kRowsMax = kVecs == 4 ? (Scales == 2 ? 4 : 5) : 10;
+  // float16 scales are widened once a group, into registers; float32 ones are read where they
+  // are used (an operand of the multiply-add from L1): kept in registers beside a tile's
+  // accumulators they pushed those out to the stack (2x slower)
   static void scales(const uint8_t* h, vf* d, vf* m) {
-    for (int j = 0; j < kVecs; ++j) {
-      d[j] = halves(h + 2 * kLanes * j);
-      m[j] = halves(h + 2 * kBlock + 2 * kLanes * j);
+    if constexpr (!F32) {
+      for (int j = 0; j < kVecs; ++j) d[j] = halves(h + kScaleBytes * kLanes * j);
+      if constexpr (Scales == 2)
+        for (int j = 0; j < kVecs; ++j) m[j] = halves(h + kScaleBytes * (kBlock + kLanes * j));
     }
   }
-  static void weights(const uint8_t* p, const vf* d, const vf* m, vf* w) {
-    nibbles(p, 0, w);
-    for (int j = 0; j < kVecs; ++j) w[j] = fmadd(d[j], w[j], m[j]);
+  static void weights(const uint8_t* h, const uint8_t* p, const vf* d, const vf* m, vf* w) {
+    if constexpr (Nibbles) {
+      nibbles(p, Offset, w);
+    } else {
+      for (int j = 0; j < kVecs; ++j) w[j] = signed_bytes(p + kLanes * j);
+    }
+    for (int j = 0; j < kVecs; ++j) {
+      const vf dj = F32 ? load(reinterpret_cast<const float*>(h) + kLanes * j) : d[j];
+      if constexpr (Scales == 2) {
+        w[j] = fmadd(dj, w[j], F32 ? load(reinterpret_cast<const float*>(h) + kBlock + kLanes * j) : m[j]);
+      } else {
+        w[j] = dj * w[j];
+      }
+    }
   }
 };
+
+using Q8_0 = Blocks<false, 1, false, 0, 32>;
+using Q4_0 = Blocks<false, 1, true, 8, 32>;
+using Q4_1 = Blocks<false, 2, true, 0, 32>;
+using Q4_K = Blocks<true, 2, true, 0, 32>;   // quants 0..15
+using Q5_K = Blocks<true, 2, false, 0, 32>;  // quants 0..31, a byte each
+using Q6_K = Blocks<true, 1, false, 0, 16>;  // quants -32..31, a byte each
 
 template <class F>
 constexpr int64_t group_bytes() {
-  return F::kHeader + kGroup * F::kStep;
+  return F::kHeader + F::kGroup * F::kStep;
 }
 
 // R rows of x times one column block over all K, into cols (<= kBlock) columns of y
@@ -137,16 +145,16 @@ void block_tile(const uint8_t* __restrict w, const float* __restrict x, int64_t 
   vf acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j) acc[r][j] = vf{};
-  for (int64_t g = 0; g < k / kGroup; ++g) {
+  for (int64_t g = 0; g < k / F::kGroup; ++g) {
     const uint8_t* gp = w + g * group_bytes<F>();
     vf d[kVecs], m[kVecs];
     F::scales(gp, d, m);
     const uint8_t* qp = gp + F::kHeader;
-    const float* xg = x + g * kGroup;
-    for (int64_t i = 0; i < kGroup; ++i) {
+    const float* xg = x + g * F::kGroup;
+    for (int64_t i = 0; i < F::kGroup; ++i) {
       __builtin_prefetch(qp + i * F::kStep + kAhead);
       vf wv[kVecs];
-      F::weights(qp + i * F::kStep, d, m, wv);
+      F::weights(gp, qp + i * F::kStep, d, m, wv);
       for (int r = 0; r < R; ++r) {
         const float xv = xg[r * k + i];
         for (int j = 0; j < kVecs; ++j) acc[r][j] = fmadd(wv[j], xv, acc[r][j]);
@@ -171,14 +179,14 @@ void tile(int rows, const uint8_t* w, const float* x, int64_t k, float* y, int64
   block_tile<R, F>(w, x, k, y, y_stride, cols, bias);
 }
 
-// every widened weight of column block b, group g: out(c, i) for c < cols, i < kGroup
+// every widened weight of column block b, group g: out(c, i) for c < cols, i < F::kGroup
 template <class F, class Out>
 void widen_group(const uint8_t* gp, Out out) {
   vf d[kVecs], m[kVecs];
   F::scales(gp, d, m);
-  for (int64_t i = 0; i < kGroup; ++i) {
+  for (int64_t i = 0; i < F::kGroup; ++i) {
     vf wv[kVecs];
-    F::weights(gp + F::kHeader + i * F::kStep, d, m, wv);
+    F::weights(gp, gp + F::kHeader + i * F::kStep, d, m, wv);
     float w[kBlock];
     std::memcpy(w, wv, sizeof w);
     out(w, i);
@@ -192,30 +200,31 @@ void widen_group(const uint8_t* gp, Out out) {
 // multiply-add order, the same bits. Measured on Zen 4 (bench.linear): 16 rows are as fast
 // either way, prompt passes 1.1x to 1.3x faster than widening per product for oneDNN.
 constexpr int64_t kRegisterTiles = 4;
-constexpr int64_t kChunkGroups = 2;  // 64 k: 16 KiB of float32 on AVX-512
+constexpr int64_t kChunk = 64;  // k widened at a time: 16 KiB of float32 on AVX-512
 
 template <class F>
 void run_chunked(const uint8_t* w, const float* x, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
                  int64_t cols, std::vector<float>& scratch) {
-  const int64_t chunk = kChunkGroups * kGroup, step = tile_rows(m);
-  scratch.resize(std::max<size_t>(scratch.size(), (chunk + m) * kBlock));
+  constexpr int64_t per_chunk = kChunk / F::kGroup;
+  const int64_t groups = k / F::kGroup, step = tile_rows(m);
+  scratch.resize(std::max<size_t>(scratch.size(), (kChunk + m) * kBlock));
   float* wide = scratch.data();
-  float* acc = wide + chunk * kBlock;
-  for (int64_t g0 = 0; g0 < k / kGroup; g0 += kChunkGroups) {
-    const int64_t g1 = std::min(k / kGroup, g0 + kChunkGroups);
+  float* acc = wide + kChunk * kBlock;
+  for (int64_t g0 = 0; g0 < groups; g0 += per_chunk) {
+    const int64_t g1 = std::min(groups, g0 + per_chunk);
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gp = w + g * group_bytes<F>();
       vf d[kVecs], mins[kVecs];
       F::scales(gp, d, mins);
-      float* out = wide + (g - g0) * kGroup * kBlock;
-      for (int64_t i = 0; i < kGroup; ++i) {
+      float* out = wide + (g - g0) * F::kGroup * kBlock;
+      for (int64_t i = 0; i < F::kGroup; ++i) {
         vf wv[kVecs];
-        F::weights(gp + F::kHeader + i * F::kStep, d, mins, wv);
+        F::weights(gp, gp + F::kHeader + i * F::kStep, d, mins, wv);
         for (int j = 0; j < kVecs; ++j) store(out + i * kBlock + kLanes * j, wv[j]);
       }
     }
     for (int64_t r = 0; r < m; r += step)
-      chain_tile(static_cast<int>(std::min(step, m - r)), wide, x + r * k + g0 * kGroup, k, (g1 - g0) * kGroup,
+      chain_tile(static_cast<int>(std::min(step, m - r)), wide, x + r * k + g0 * F::kGroup, k, (g1 - g0) * F::kGroup,
                  acc + r * kBlock, g0 == 0);
   }
   for (int64_t r = 0; r < m; ++r) {
@@ -228,7 +237,7 @@ void run_chunked(const uint8_t* w, const float* x, const float* bias, float* y, 
 template <class F>
 void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t m, int64_t k, int64_t n,
          int64_t blocks) {
-  const int64_t stride = (k / kGroup) * group_bytes<F>(), tiles = (m + F::kRowsMax - 1) / F::kRowsMax;
+  const int64_t stride = (k / F::kGroup) * group_bytes<F>(), tiles = (m + F::kRowsMax - 1) / F::kRowsMax;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> scratch;  // one per thread, kept across products and passes
     for (int64_t b = b0; b < b1; ++b) {
@@ -248,13 +257,13 @@ void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t
 
 template <class F>
 void dense(const uint8_t* wp, float* out, int64_t k, int64_t n, int64_t blocks) {
-  const int64_t groups = k / kGroup, stride = groups * group_bytes<F>();
+  const int64_t groups = k / F::kGroup, stride = groups * group_bytes<F>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
       for (int64_t g = 0; g < groups; ++g)
         widen_group<F>(wp + b * stride + g * group_bytes<F>(), [&](const float* w, int64_t i) {
-          for (int64_t c = 0; c < cols; ++c) out[(c0 + c) * k + g * kGroup + i] = w[c];
+          for (int64_t c = 0; c < cols; ++c) out[(c0 + c) * k + g * F::kGroup + i] = w[c];
         });
     }
   });
@@ -262,19 +271,19 @@ void dense(const uint8_t* wp, float* out, int64_t k, int64_t n, int64_t blocks) 
 
 template <class F>
 void gather(const uint8_t* wp, const int64_t* ids, int64_t count, float* out, int64_t k) {
-  const int64_t groups = k / kGroup, stride = groups * group_bytes<F>();
+  const int64_t groups = k / F::kGroup, stride = groups * group_bytes<F>();
   at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t t = i0; t < i1; ++t) {
       const int64_t b = ids[t] / kBlock, c = ids[t] % kBlock;
       for (int64_t g = 0; g < groups; ++g)
         widen_group<F>(wp + b * stride + g * group_bytes<F>(),
-                       [&](const float* w, int64_t i) { out[t * k + g * kGroup + i] = w[c]; });
+                       [&](const float* w, int64_t i) { out[t * k + g * F::kGroup + i] = w[c]; });
     }
   });
 }
 
 // ggml's type numbers (gguf-py's GGMLQuantizationType), as blocks.py names the formats
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 template <class Fn>
 void by_format(int64_t format, Fn fn) {
@@ -282,6 +291,9 @@ void by_format(int64_t format, Fn fn) {
     case kQ8_0: return fn(Q8_0{});
     case kQ4_0: return fn(Q4_0{});
     case kQ4_1: return fn(Q4_1{});
+    case kQ4_K: return fn(Q4_K{});
+    case kQ5_K: return fn(Q5_K{});
+    case kQ6_K: return fn(Q6_K{});
     default: TORCH_CHECK(false, "block format ", format, " has no kernel");
   }
 }
@@ -291,11 +303,14 @@ std::pair<int64_t, int64_t> check_blocks(const at::Tensor& packed, int64_t forma
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.device().is_cpu(),
               who, ": the weight is blocks.py's packed uint8 blocks");
-  int64_t bytes = 0;
-  by_format(format, [&](auto f) { bytes = group_bytes<decltype(f)>(); });
+  int64_t bytes = 0, group = 0;
+  by_format(format, [&](auto f) {
+    bytes = group_bytes<decltype(f)>();
+    group = decltype(f)::kGroup;
+  });
   TORCH_CHECK(packed.size(2) == bytes, who, ": format ", format, " groups are ", bytes, " bytes, not ",
               packed.size(2));
-  return {packed.size(1) * kGroup, packed.size(0)};
+  return {packed.size(1) * group, packed.size(0)};
 }
 
 }  // namespace

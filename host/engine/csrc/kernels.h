@@ -13,8 +13,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
 
 std::tuple<at::Tensor, at::Tensor> layer_stack(
     at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& norms,
-    const std::vector<at::Tensor>& skinny, const std::vector<int64_t>& formats,
-    const std::vector<std::optional<at::Tensor>>& biases, at::Tensor final_norm, at::Tensor kv,
+    const std::vector<int64_t>& parts, const std::vector<at::Tensor>& skinny, const std::vector<int64_t>& formats,
+    const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
+    at::Tensor final_norm, at::Tensor kv,
     at::Tensor slot_mapping, at::Tensor ctx, int64_t base, at::Tensor starts, at::Tensor windows,
     at::Tensor frozen, const std::vector<double>& scaling, double eps, int64_t heads, int64_t kv_heads,
     int64_t inter);

@@ -19,29 +19,38 @@ Tensor packed_linear(const Tensor& x, const Tensor& skinny, int64_t format, cons
 
 }  // namespace
 
-// norms: per layer norm1, norm2. skinny, formats, biases: per layer the products qkv, o,
-// gate_up, down, as linear.py packs them (format 0: a float weight; else its blocks' ggml type).
-// cos, sin: [T, 1, head_dim], sin sign-folded as in stack.py. kv: the whole pool, [layers, 2, kv_heads, slots, head_dim]. The attention arguments
-// are paged_attention's, for the batch's one group of short windows.
+// norms: per layer norm1, norm2. parts: per layer, how many packed weights each product (qkv, o,
+// gate_up, down) is, side by side (one when its siblings are fused; q, k and v apart when their
+// formats differ). skinny, formats, biases, outputs: each part's, as linear.py packs it (format
+// 0: a float weight; else its blocks' ggml type). cos, sin: [T, 1, head_dim], sin sign-folded as
+// in stack.py. kv: the whole pool, [layers, 2, kv_heads, slots, head_dim]. The attention
+// arguments are paged_attention's, for the batch's one group of short windows.
 std::tuple<Tensor, Tensor> layer_stack(Tensor x, Tensor cos, Tensor sin, const std::vector<Tensor>& norms,
-                                       const std::vector<Tensor>& skinny, const std::vector<int64_t>& formats,
-                                       const std::vector<std::optional<Tensor>>& biases, Tensor final_norm,
-                                       Tensor kv, Tensor slot_mapping, Tensor ctx, int64_t base, Tensor starts,
-                                       Tensor windows, Tensor frozen, const std::vector<double>& scaling, double eps,
-                                       int64_t heads, int64_t kv_heads, int64_t inter) {
+                                       const std::vector<int64_t>& parts, const std::vector<Tensor>& skinny,
+                                       const std::vector<int64_t>& formats,
+                                       const std::vector<std::optional<Tensor>>& biases,
+                                       const std::vector<int64_t>& outputs, Tensor final_norm, Tensor kv,
+                                       Tensor slot_mapping, Tensor ctx, int64_t base, Tensor starts, Tensor windows,
+                                       Tensor frozen, const std::vector<double>& scaling, double eps, int64_t heads,
+                                       int64_t kv_heads, int64_t inter) {
   const int64_t layers = static_cast<int64_t>(scaling.size());
-  const auto per_layer = [&](const auto& v, int64_t n) { return static_cast<int64_t>(v.size()) == n * layers; };
-  TORCH_CHECK(per_layer(norms, 2) && per_layer(skinny, 4) && per_layer(formats, 4) &&
-                  per_layer(biases, 4),
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(parts.size()) == 4 * layers,
               "layer_stack: two norms and four products per layer");
+  std::vector<int64_t> first(parts.size() + 1, 0);  // product p's parts are first[p] .. first[p + 1] - 1
+  for (size_t p = 0; p < parts.size(); ++p) first[p + 1] = first[p] + parts[p];
+  const auto n = static_cast<size_t>(first.back());
+  TORCH_CHECK(skinny.size() == n && formats.size() == n && biases.size() == n && outputs.size() == n,
+              "layer_stack: a weight, format, bias and output count for each part");
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) >= layers, "layer_stack: the pool is [layers, 2, kv_heads, slots, D]");
-  const int64_t t = x.size(0), hidden = x.size(1), hd = kv.size(4), q_end = heads * hd,
-                k_end = (heads + kv_heads) * hd;
-  const int64_t outputs[4] = {k_end + kv_heads * hd, hidden, 2 * inter, hidden};  // qkv, o, gate_up, down
+  const int64_t t = x.size(0), hd = kv.size(4), q_end = heads * hd;
   std::optional<Tensor> delta;  // what the last layer adds to x, before the next norm
   for (int64_t i = 0; i < layers; ++i) {
     const auto product = [&](const Tensor& in, int j) {
-      return packed_linear(in, skinny[4 * i + j], formats[4 * i + j], biases[4 * i + j], outputs[j]);
+      const int64_t p0 = first[4 * i + j], p1 = first[4 * i + j + 1];
+      if (p1 - p0 == 1) return packed_linear(in, skinny[p0], formats[p0], biases[p0], outputs[p0]);
+      std::vector<Tensor> ys;
+      for (int64_t p = p0; p < p1; ++p) ys.push_back(packed_linear(in, skinny[p], formats[p], biases[p], outputs[p]));
+      return at::cat(ys, 1);
     };
     auto [h, normed] = residual_norm(x, delta, norms[2 * i], eps);
     const Tensor pool = kv[i];

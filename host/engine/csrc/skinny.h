@@ -88,8 +88,10 @@ void chain_rows(const float* __restrict w, const float* __restrict x, int64_t x_
     vf wv[kVecs];
     for (int j = 0; j < kVecs; ++j) {
       wv[j] = load(w + i * kBlock + kLanes * j);
+#if defined(__AVX__)
       asm("" : "+v"(wv[j]));  // in a register: GCC would fold a load into each row's multiply-add,
-    }                         // R loads of each vector where the load ports are the limit
+#endif                        // R loads of each vector where the load ports are the limit
+    }
     for (int m = 0; m < R; ++m) {
       const float xv = x[m * x_stride + i];
       for (int j = 0; j < kVecs; ++j) a[m][j] = fmadd(wv[j], xv, a[m][j]);
