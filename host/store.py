@@ -45,7 +45,7 @@ class ModelRecord:
     path: str = ""
     formats: dict[str, int] = field(default_factory=dict)  # tensors kept in a file's blocks: name -> ggml type
     bytes: int = 0  # the weights' size in the store
-    native: bool = False  # a GGUF file read as stored (`--dtype auto`): its blocks kept where a kernel reads them
+    native: bool = False  # read as stored (`--dtype auto`): a GGUF's blocks, a checkpoint's 16-bit weights
 
     def format_summary(self) -> str:
         """The weights' formats, e.g. `Q4_1 x210, Q8_0 x1, float32`."""
@@ -295,10 +295,18 @@ def _import_model(source, name, dtype, drafter, progress):
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
             steps.update()
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kw)
+            # `auto` reads a model folder as stored: a bfloat16 or float16 checkpoint stays narrow
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto" if dtype == "auto" and not gguf
+                                                         else torch_dtype, **kw)
             steps.update()
         except Exception as e:  # transformers raises many kinds for a corrupt or non-model file
             raise ImportFailed(f"could not load {source!r} as a causal language model: {str(e).splitlines()[0]}") from e
+        if not gguf and dtype == "auto" and _wide16(model):
+            rec = _import_wide16(folder, model, tokenizer, name, source_id, drafters, tmp, steps)
+            tmp.chmod(0o755)
+            _install(tmp, dest, stale)
+            rec.path = str(dest)
+            return rec, True
         layouts.check_target_model(model)
         # A GGUF checkpoint loads dequantized, but transformers still marks it quantized.
         model.hf_quantizer = None
@@ -340,6 +348,42 @@ def _install(tmp: Path, dest: Path, stale: ModelRecord | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
         return
     os.replace(tmp, dest)
+
+
+def _wide16(model) -> bool:
+    """Whether a checkpoint's linear weights are bfloat16 or float16 (kept so by `auto`)."""
+    import torch
+
+    return any(isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.bfloat16, torch.float16)
+               for m in model.modules())
+
+
+def _import_wide16(folder: Path, model, tokenizer, name: str, source_id: str, drafters, tmp: Path,
+                   steps) -> ModelRecord:
+    """A bfloat16 or float16 checkpoint with its linear and embedding weights as stored, the rest in
+    float32 (host/weights.py), into the entry folder tmp: what the engine reads and widens exactly."""
+    import torch
+
+    from . import weights
+    from .drafter import layouts
+
+    layouts.check_target_model(model)
+    tensors, formats = weights.from_model(model)
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    nbytes = weights.write(tensors, formats, tmp)
+    parameters = weights.parameters(tensors, formats)
+    del tensors, model
+    wide = weights.load(tmp, torch.float32, torch.device("cpu"))
+    for dname, head_folder in drafters:
+        _write_drafter(dname, head_folder, folder, wide, tmp / "drafters" / dname, torch.float32)
+        steps.update()
+    tokenizer.save_pretrained(tmp)
+    rec = ModelRecord(name=name, source=source_id, architecture=type(wide).__name__, parameters=parameters,
+                      dtype="float32", drafters=[d for d, _ in drafters], formats=formats, bytes=nbytes, native=True)
+    (tmp / "pie.json").write_text(json.dumps(asdict(rec), indent=2))
+    steps.update()
+    return rec
 
 
 def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters, tmp: Path, steps) -> ModelRecord:

@@ -1,5 +1,6 @@
 """A store entry's weights in their file's own format: read from a GGUF file keeping each tensor's
-blocks, and loaded into a transformers model that computes with them (host/engine/blocks.py).
+blocks (or from a bfloat16/float16 checkpoint keeping its 16-bit weights), and loaded into a
+transformers model that computes with them (host/engine/blocks.py).
 
 An entry imported this way holds `weights.safetensors`: the block tensors as their GGUF rows
 (uint8 [N, row bytes], after transformers' name mapping and its q/k row permutation, which moves
@@ -61,9 +62,10 @@ def read_gguf(path: Path, config) -> tuple[dict[str, torch.Tensor], dict[str, in
                 and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))):
             rows = processor.process(weights=np.asarray(t.data), name=t.name, tensor_key_mapping=mapping,
                                      parsed_parameters=parsed).weights
-            raw = torch.from_numpy(np.array(rows, dtype=np.uint8))
+            raw = torch.from_numpy(np.ascontiguousarray(rows).view(np.uint8).copy())  # F16 rows come as float16
             # the blocks must widen to exactly what the float32 import would hold
-            if torch.equal(blocks.dequantize(raw, kind), torch.from_numpy(np.ascontiguousarray(out.weights))):
+            if (raw.shape[1] % blocks.FORMATS[kind].block_bytes == 0 and torch.equal(
+                    blocks.dequantize(raw, kind), torch.from_numpy(np.ascontiguousarray(out.weights, dtype=np.float32)))):
                 tensors[name], formats[name] = raw, kind
                 continue
         if t.tensor_type.name not in FLOAT_TYPES:
@@ -73,6 +75,26 @@ def read_gguf(path: Path, config) -> tuple[dict[str, torch.Tensor], dict[str, in
     if missing:
         raise ValueError(f"the file has no tensor for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     return tensors, formats, widened
+
+
+def from_model(model) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """A loaded checkpoint's tensors as an entry holds them: each bfloat16 or float16 weight of a
+    linear layer or an embedding as its rows' bytes (blocks.WIDE16's formats), where its rows are
+    whole groups; everything else in float32."""
+    modules = dict(model.named_modules())
+    tensors, formats = {}, {}
+    for name, t in model.state_dict().items():
+        if _tied(model, name):
+            continue
+        owner = modules.get(name.rpartition(".")[0])
+        kind = blocks.WIDE16.get(t.dtype)
+        if (kind is not None and name.endswith(".weight") and t.ndim == 2
+                and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
+                and t.shape[1] * 2 % blocks.FORMATS[kind].block_bytes == 0):
+            tensors[name], formats[name] = t.contiguous().view(torch.uint8).clone(), kind
+        else:
+            tensors[name] = t.detach().float().contiguous()
+    return tensors, formats
 
 
 def _tied(model, name: str) -> bool:

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from host.engine import blocks, kernels
 
-FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,14 @@ def random_blocks(kind: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     tiny, ordinary and near-largest magnitudes of both signs (never inf or NaN)."""
     rng = np.random.default_rng(seed)
     fmt = blocks.FORMATS[kind]
+    if fmt.bits == 16:  # finite values of every magnitude: subnormal, tiny, ordinary, large
+        dtype = torch.bfloat16 if kind == T.BF16 else torch.float16
+        w = rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-8, 4 if kind == T.F16 else 20, (n, k))
+        w[rng.random((n, k)) < 0.05] = 0.0
+        t = torch.from_numpy(w).to(dtype)
+        t[torch.from_numpy(rng.random((n, k)) < 0.05)] = torch.finfo(dtype).smallest_normal / 4  # subnormal
+        t[~torch.isfinite(t)] = torch.finfo(dtype).max
+        return t.view(torch.uint8).numpy().reshape(n, -1)
     nb = k // fmt.block_weights
     raw = rng.integers(0, 256, size=(n, nb, fmt.block_bytes), dtype=np.uint8)
     picks = np.array([0x0001, 0x03FF, 0x0400, 0x1C00, 0x3C00, 0x2E66, 0x7BFF, 0x0000], dtype=np.uint16)
@@ -41,6 +49,9 @@ def random_blocks(kind: T, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def dequantized(raw: np.ndarray, kind: T, k: int) -> torch.Tensor:
+    if kind in (T.F16, T.BF16):  # gguf-py reads these as float32 with numpy's own widening
+        t = torch.from_numpy(raw.copy()).view(torch.bfloat16 if kind == T.BF16 else torch.float16)
+        return t.float().reshape(raw.shape[0], k)
     return torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(raw.shape[0], k).astype(np.float32))
 
 

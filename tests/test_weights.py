@@ -19,9 +19,10 @@ from host.engine import Engine, Pass, blocks
 
 SHIPPED = store._alias_file(store.DEFAULT_MODEL)
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 128, 4, 2, 256, 2
-# per layer tensor -> its type: every kernel's format, and Q5_0 (no kernel: widened at import)
-TYPES = {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "attn_output": T.Q8_0,
-         "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q5_0}
+# per layer tensor -> its type: the legacy formats and 16-bit floats, and Q5_0 (no kernel: widened
+# at import); q/k/v and gate/up in mixed formats, so run apart
+TYPES = {"attn_q": T.Q4_0, "attn_k": T.F16, "attn_v": T.Q4_0, "attn_output": T.Q8_0,
+         "ffn_gate": T.Q4_1, "ffn_up": T.BF16, "ffn_down": T.Q5_0}
 # a Q4_K_M-style mix, as llama.cpp writes one: Q4_K, with Q6_K for attention values and half the
 # feed-forward downs (Q5_K for the other half here, to cover it); a tensor's type per layer
 K_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
@@ -124,9 +125,10 @@ def test_a_gguf_keeps_its_blocks_and_decodes_as_its_float32_import(tmp_path, mon
     want_arch = {"llama": "MistralForCausalLM" if name == "mistral" else "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}[arch]
     assert native.architecture == want_arch
-    assert {blocks.FORMATS[k].name for k in native.formats.values()} == {"Q8_0", "Q4_0", "Q4_1"}
+    assert {blocks.FORMATS[k].name for k in native.formats.values()} == {"Q8_0", "Q4_0", "Q4_1", "F16", "BF16"}
     a = store.open_engine("native", device="cpu", dtype="float32", kv_pages=64)
     assert isinstance(a.model.get_input_embeddings(), blocks.BlockEmbedding)
+    assert a.stack.native is not None  # the C++ layer loop, mixed siblings run apart
     if tied:  # the readout streams the embedding's own blocks
         assert a.model.lm_head.packed is a.model.get_input_embeddings().packed
     if name == "mistral":  # transformers cannot import a Mistral GGUF (its name map asks gguf-py for "mistral")
@@ -188,3 +190,32 @@ def test_a_widened_import_is_made_again_as_stored_when_auto_asks(tmp_path, monke
     with pytest.raises(ImportFailed, match=r"different model .*Q4_0 .*not --dtype float32"):
         store.import_model(str(path), name="m", dtype="float32", drafter=[], progress=False)
     assert store.import_model(str(path), name="m", drafter=[], progress=False)[1] is False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_a_16_bit_checkpoint_is_kept_as_stored_and_decodes_as_its_float32_import(tmp_path, monkeypatch, dtype):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    src = tmp_path / "tiny16"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).to(dtype).save_pretrained(src)
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)} | {"[UNK]": 0}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w2").save_pretrained(src)
+    narrow, _ = store.import_model(str(src), name="narrow", drafter=[], progress=False)
+    name = {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    assert narrow.native and {blocks.FORMATS[k].name for k in narrow.formats.values()} == {name}
+    assert narrow.format_summary().startswith(f"{name} x15")  # 7 linears a layer and the embedding
+    wide, _ = store.import_model(str(src), name="wide", dtype="float32", drafter=[], progress=False)
+    assert narrow.parameters == wide.parameters and narrow.bytes < 0.6 * wide.bytes
+    a = store.open_engine("narrow", device="cpu", dtype="float32", kv_pages=64)
+    assert isinstance(a.model.get_input_embeddings(), blocks.BlockEmbedding) and a.stack.native is not None
+    b = store.open_engine("wide", device="cpu", dtype="float32", kv_pages=64)
+    toks_a, logits_a = greedy(a, [5, 17, 33, 8, 61], 10)
+    toks_b, logits_b = greedy(b, [5, 17, 33, 8, 61], 10)
+    assert toks_a == toks_b
+    assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))

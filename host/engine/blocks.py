@@ -1,5 +1,5 @@
-"""Weights kept in their file's block format (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), for
-csrc/block_linear.cpp.
+"""Weights kept in their file's block format (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) or as a
+checkpoint's bfloat16 or float16, for csrc/block_linear.cpp.
 
 A GGUF row of K weights is K / 32 blocks (K / 256 super-blocks for the K-quants), each some
 scales and its quants. `groups` reads a file's blocks as the kernel's groups: for each group of
@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-Groups = tuple[list[torch.Tensor], torch.Tensor]  # scales [N, G] each, quants uint8 [N, G, group]
+Groups = tuple[list[torch.Tensor], torch.Tensor]  # scales [N, G] each, quants [N, G, group] (uint8; int16 16-bit floats)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Format:
     block_bytes: int  # bytes a file block takes
     float16_at: tuple[int, ...]  # offsets of a file block's float16 scales
     group: int  # k one set of the kernel's scales covers
-    bits: int  # bits the kernel stores a quant in: 4 (two a byte) or 8 (int8)
+    bits: int  # bits the kernel stores a quant in: 4 (two a byte), 8 (int8) or 16 (a 16-bit float)
     unpack: Callable[[torch.Tensor], Groups]  # [N, blocks, block_bytes] uint8 -> the kernel's groups
     offset: int = 0  # what a quant's value is less: w = d * (q - offset)
 
@@ -101,6 +101,12 @@ def _q6_k(b: torch.Tensor) -> Groups:
     return [d.flatten(-2)], q.reshape(n, nb * 16, 16)
 
 
+def _wide16(b: torch.Tensor) -> Groups:
+    """Rows of 16-bit floats as groups of 32: no scales, the values' bits as int16."""
+    n, nb = b.shape[:2]
+    return [], b.contiguous().view(torch.int16).reshape(n, nb, 32)
+
+
 FORMATS = {f.ggml: f for f in (
     Format("Q4_0", 2, 32, 18, (0,), 32, 4, _legacy(1, 4), offset=8),
     Format("Q4_1", 3, 32, 20, (0, 2), 32, 4, _legacy(2, 4)),
@@ -108,7 +114,12 @@ FORMATS = {f.ggml: f for f in (
     Format("Q4_K", 12, 256, 144, (0, 2), 32, 4, _q4_k),
     Format("Q5_K", 13, 256, 176, (0, 2), 32, 8, _q5_k),
     Format("Q6_K", 14, 256, 210, (208,), 16, 8, _q6_k),
+    # a checkpoint's bfloat16 or float16 weights (GGUF's F16 and BF16 too), kept as stored; rows
+    # of whole 32-weight groups
+    Format("F16", 1, 32, 64, (), 32, 16, _wide16),
+    Format("BF16", 30, 32, 64, (), 32, 16, _wide16),
 )}
+WIDE16 = {torch.float16: 1, torch.bfloat16: 30}  # a 16-bit float dtype's format
 
 
 def format_of(ggml: int) -> Format | None:
@@ -144,7 +155,7 @@ def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
     q = columns(q).transpose(-1, -2)  # [nb, G, group, block]
     if fmt.bits == 4:
         q = q[..., :block // 2] | (q[..., block // 2:] << 4)
-    parts.append(q.reshape(nb, g, -1))
+    parts.append(q.contiguous().view(torch.uint8).reshape(nb, g, -1))
     return torch.cat(parts, -1).contiguous()
 
 
@@ -154,6 +165,8 @@ def dequantize(raw: torch.Tensor, ggml: int) -> torch.Tensor:
     fmt = FORMATS[ggml]
     scales, q = groups(raw, ggml)
     n = q.shape[0]
+    if fmt.bits == 16:
+        return q.view(torch.bfloat16 if fmt.name == "BF16" else torch.float16).float().reshape(n, -1)
     d = scales[0].float()[..., None]
     if fmt.bits == 8:
         qf = q.view(torch.int8).float()

@@ -1,5 +1,5 @@
 // y = x @ W^T + b over a weight kept in its file's block format (GGUF's Q8_0, Q4_0, Q4_1 and the
-// K-quants Q4_K, Q5_K, Q6_K), CPU.
+// K-quants Q4_K, Q5_K, Q6_K), or in bfloat16 or float16 as a checkpoint stores it, CPU.
 //
 // The weight stays in its blocks: a group of k (32; 16 for Q6_K) shares scales, each weight a
 // few bits. blocks.py repacks them into skinny_linear's column blocks, [ceil(N / kBlock),
@@ -126,12 +126,32 @@ struct Blocks {
   }
 };
 
+// bfloat16 and float16 weights, kept as stored: no scales, each k's kBlock values side by side,
+// widened exactly (a bfloat16 is a float32's upper half; F16C converts a float16 exactly)
+template <bool BF16>
+struct Wide16 {
+  static constexpr int64_t kGroup = 32, kHeader = 0, kStep = 2 * kBlock;
+  static constexpr int kRowsMax = kVecs == 4 ? 6 : 10;
+  static void scales(const uint8_t*, vf*, vf*) {}
+  static void weights(const uint8_t*, const uint8_t* p, const vf*, const vf*, vf* w) {
+    for (int j = 0; j < kVecs; ++j) {
+      if constexpr (BF16) {
+        w[j] = load_w(reinterpret_cast<const at::BFloat16*>(p) + kLanes * j);
+      } else {
+        w[j] = halves(p + 2 * kLanes * j);
+      }
+    }
+  }
+};
+
 using Q8_0 = Blocks<false, 1, false, 0, 32>;
 using Q4_0 = Blocks<false, 1, true, 8, 32>;
 using Q4_1 = Blocks<false, 2, true, 0, 32>;
 using Q4_K = Blocks<true, 2, true, 0, 32>;   // quants 0..15
 using Q5_K = Blocks<true, 2, false, 0, 32>;  // quants 0..31, a byte each
 using Q6_K = Blocks<true, 1, false, 0, 16>;  // quants -32..31, a byte each
+using F16 = Wide16<false>;
+using BF16 = Wide16<true>;
 
 template <class F>
 constexpr int64_t group_bytes() {
@@ -283,7 +303,7 @@ void gather(const uint8_t* wp, const int64_t* ids, int64_t count, float* out, in
 }
 
 // ggml's type numbers (gguf-py's GGMLQuantizationType), as blocks.py names the formats
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Format : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30 };
 
 template <class Fn>
 void by_format(int64_t format, Fn fn) {
@@ -294,6 +314,8 @@ void by_format(int64_t format, Fn fn) {
     case kQ4_K: return fn(Q4_K{});
     case kQ5_K: return fn(Q5_K{});
     case kQ6_K: return fn(Q6_K{});
+    case kF16: return fn(F16{});
+    case kBF16: return fn(BF16{});
     default: TORCH_CHECK(false, "block format ", format, " has no kernel");
   }
 }
