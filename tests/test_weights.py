@@ -98,6 +98,14 @@ def write_tiny_gguf(path: Path, arch: str, *, tied: bool, biases: bool, name: st
     w.close()
 
 
+def assert_decodes_alike(a, b, ids: list[int], n: int) -> None:
+    """Engines a and b decode the same n tokens after ids, every pass's logits bit for bit."""
+    toks_a, logits_a = greedy(a, ids, n)
+    toks_b, logits_b = greedy(b, ids, n)
+    assert toks_a == toks_b
+    assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+
+
 def greedy(engine, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     ws = engine.new_working_set()
     try:
@@ -138,11 +146,7 @@ def test_a_gguf_keeps_its_blocks_and_decodes_as_its_float32_import(tmp_path, mon
         assert native.architecture == widened.architecture and not widened.formats
         assert native.parameters == widened.parameters and native.bytes < widened.bytes / 3
         b = store.open_engine("widened", device="cpu", dtype="float32", kv_pages=64)
-    ids = a.tokenizer("The capital of France is")["input_ids"]
-    toks_a, logits_a = greedy(a, ids, 12)
-    toks_b, logits_b = greedy(b, ids, 12)
-    assert toks_a == toks_b
-    assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+    assert_decodes_alike(a, b, a.tokenizer("The capital of France is")["input_ids"], 12)
 
 
 @pytest.mark.parametrize("arch,tied,biases", [("llama", True, False), ("qwen2", False, True)], ids=["llama", "qwen2"])
@@ -160,11 +164,7 @@ def test_a_k_quant_mix_keeps_its_blocks_and_decodes_as_its_float32_import(tmp_pa
     a = store.open_engine("native", device="cpu", dtype="float32", kv_pages=64)
     assert a.stack.native is not None  # the C++ layer loop, q and k apart from v (Q6_K)
     b = store.open_engine("widened", device="cpu", dtype="float32", kv_pages=64)
-    ids = a.tokenizer("The capital of France is")["input_ids"]
-    toks_a, logits_a = greedy(a, ids, 12)
-    toks_b, logits_b = greedy(b, ids, 12)
-    assert toks_a == toks_b
-    assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+    assert_decodes_alike(a, b, a.tokenizer("The capital of France is")["input_ids"], 12)
 
 
 def test_the_default_models_native_import_is_the_files_size(tmp_path, monkeypatch):
@@ -215,7 +215,4 @@ def test_a_16_bit_checkpoint_is_kept_as_stored_and_decodes_as_its_float32_import
     a = store.open_engine("narrow", device="cpu", dtype="float32", kv_pages=64)
     assert isinstance(a.model.get_input_embeddings(), blocks.BlockEmbedding) and a.stack.native is not None
     b = store.open_engine("wide", device="cpu", dtype="float32", kv_pages=64)
-    toks_a, logits_a = greedy(a, [5, 17, 33, 8, 61], 10)
-    toks_b, logits_b = greedy(b, [5, 17, 33, 8, 61], 10)
-    assert toks_a == toks_b
-    assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+    assert_decodes_alike(a, b, [5, 17, 33, 8, 61], 10)

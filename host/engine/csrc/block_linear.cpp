@@ -181,13 +181,7 @@ void block_tile(const uint8_t* __restrict w, const float* __restrict x, int64_t 
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float out[kBlock];
-    std::memcpy(out, acc[r], sizeof out);
-    if (bias != nullptr)
-      for (int64_t c = 0; c < cols; ++c) out[c] += bias[c];
-    std::memcpy(y + r * y_stride, out, cols * sizeof(float));
-  }
+  store_rows<R>(acc, y, y_stride, cols, bias);
 }
 
 template <class F, int R = F::kRowsMax>
@@ -257,14 +251,13 @@ void run_chunked(const uint8_t* w, const float* x, const float* bias, float* y, 
 template <class F>
 void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t m, int64_t k, int64_t n,
          int64_t blocks) {
-  const int64_t stride = (k / F::kGroup) * group_bytes<F>(), tiles = (m + F::kRowsMax - 1) / F::kRowsMax;
+  const int64_t stride = (k / F::kGroup) * group_bytes<F>(), step = tile_rows(m, F::kRowsMax);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> scratch;  // one per thread, kept across products and passes
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
       const float* bias = bp == nullptr ? nullptr : bp + c0;
       if (m <= kRegisterTiles * F::kRowsMax) {
-        const int64_t step = (m + tiles - 1) / tiles;  // rows as even as they go: 8 = 4 + 4
         for (int64_t r = 0; r < m; r += step)
           tile<F>(static_cast<int>(std::min(step, m - r)), wp + b * stride, xp + r * k, k, yp + r * n + c0, n,
                   cols, bias);

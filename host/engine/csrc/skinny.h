@@ -40,6 +40,19 @@ inline vf load_w(const at::BFloat16* p) {
 #endif
 }
 
+// R rows' accumulators, + bias, into cols (<= kBlock) columns of y: every product's last step
+template <int R>
+void store_rows(const vf (&acc)[R][kVecs], float* __restrict y, int64_t y_stride, int64_t cols,
+                const float* __restrict bias) {
+  for (int m = 0; m < R; ++m) {
+    float out[kBlock];
+    std::memcpy(out, acc[m], sizeof out);
+    if (bias != nullptr)
+      for (int64_t c = 0; c < cols; ++c) out[c] += bias[c];
+    std::memcpy(y + m * y_stride, out, cols * sizeof(float));
+  }
+}
+
 // R rows of x times one block over all K, into cols (<= kBlock) columns of y
 template <int R, typename W>
 void block_rows(const W* __restrict w, const float* __restrict x, int64_t k, float* __restrict y,
@@ -57,13 +70,7 @@ void block_rows(const W* __restrict w, const float* __restrict x, int64_t k, flo
       for (int j = 0; j < kVecs; ++j) acc[m][j] = fmadd(wv[j], xv, acc[m][j]);
     }
   }
-  for (int m = 0; m < R; ++m) {
-    float out[kBlock];
-    std::memcpy(out, acc[m], sizeof out);
-    if (bias != nullptr)
-      for (int64_t c = 0; c < cols; ++c) out[c] += bias[c];
-    std::memcpy(y + m * y_stride, out, cols * sizeof(float));
-  }
+  store_rows<R>(acc, y, y_stride, cols, bias);
 }
 
 template <int R = kRows, typename W>
@@ -109,9 +116,9 @@ void chain_tile(int rows, const float* w, const float* x, int64_t x_stride, int6
   chain_rows<R>(w, x, x_stride, kc, acc, first);
 }
 
-// rows cut into tiles of at most kRows, as even as they go (8 rows: 4 + 4, not 6 + 2)
-inline int64_t tile_rows(int64_t rows) {
-  const int64_t tiles = (rows + kRows - 1) / kRows;
+// rows cut into tiles of at most `most` rows, as even as they go (8 rows by 6: 4 + 4, not 6 + 2)
+inline int64_t tile_rows(int64_t rows, int64_t most = kRows) {
+  const int64_t tiles = (rows + most - 1) / most;
   return (rows + tiles - 1) / tiles;
 }
 
