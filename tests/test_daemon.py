@@ -221,7 +221,7 @@ def test_stop_cutter_holds_back_a_split_stop_string():
 
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
-    ("best_of", 2), ("logprobs", True), ("top_logprobs", 3), ("echo", True),
+    ("best_of", 2), ("echo", True),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
 ])
 def test_fields_not_honoured_are_refused_not_ignored(http, field, value):

@@ -16,6 +16,8 @@ def _add_options(p) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print exactly one JSON object with text, token_ids and stats")
+    p.add_argument("--logprobs", type=int, metavar="N",
+                   help="with --json: each generated token's logprob and its N most likely alternatives (0..20)")
     add_flags(p)  # the limits' flags: host/runtime/limits.py
     p.add_argument("--server", metavar="URL", help="run on a `pie serve` daemon at URL instead of in-process "
                    "(a .wasm path is uploaded; a name is the server's built-in)")
@@ -61,7 +63,20 @@ def _asked_limits(args) -> dict:
 def cmd_run(args) -> int:
     inferlet_args = _split_rest(args)
     limits = from_args(args)  # checked before the model loads
+    if args.logprobs is not None and not args.json:
+        print("pie: error: --logprobs needs --json (they are printed in its `logprobs`)", file=sys.stderr)
+        return 2
+    if args.logprobs is not None:
+        from ..engine.logprobs import MAX_TOP
+
+        if not 0 <= args.logprobs <= MAX_TOP:
+            print(f"pie: error: --logprobs {args.logprobs}: the alternatives are 0..{MAX_TOP}", file=sys.stderr)
+            return 2
     if args.server:  # the server resolves names: it may have built-ins this machine lacks
+        if args.logprobs is not None:
+            print("pie: error: --logprobs is not offered with --server (use the OpenAI endpoints' logprobs)",
+                  file=sys.stderr)
+            return 2
         from ..daemon.client import run_remote
 
         return run_remote(args.server, args.api_key, args.inferlet, inferlet_args, _asked_limits(args), args.json)
@@ -73,7 +88,7 @@ def cmd_run(args) -> int:
     engine = open_engine(args.model, device=args.device, dtype=args.dtype)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with Runtime(engine, limits=limits) as rt:
-        result = rt.run(wasm, inferlet_args, name=wasm.stem, on_text=on_text)
+        result = rt.run(wasm, inferlet_args, name=wasm.stem, on_text=on_text, logprobs=args.logprobs)
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
     elif result.text and not result.text.endswith("\n"):

@@ -11,7 +11,7 @@ from fastapi import Request
 from .errors import APIError, TooManyRequests
 from .instances import Generation
 from .service import Plan, Service
-from .shapes import Ended
+from .shapes import Delta, Ended
 
 
 class Choices:
@@ -27,16 +27,19 @@ class Choices:
         """Before the response begins: the first choice's refusal is the request's HTTP answer."""
         self.gens[0] = await self.service.start(self.request, self.plans[0])
 
-    async def events(self) -> AsyncIterator[tuple[int, str | Ended]]:
-        """(index, text) as the choices generate and (index, Ended) as each ends, until all have.
+    async def events(self) -> AsyncIterator[tuple[int, Delta | Ended]]:
+        """(index, Delta) as the choices generate and (index, Ended) as each ends, until all have.
         A choice's failure is raised; leaving early cancels every choice."""
-        queue: asyncio.Queue[tuple[int, str | Ended | APIError]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Delta | Ended | APIError]] = asyncio.Queue()
         pumps: list[asyncio.Task] = []
 
         async def pump(i: int, gen: Generation) -> None:
             try:
                 async for text in gen.text():
-                    queue.put_nowait((i, text))
+                    queue.put_nowait((i, Delta(text, gen.logprobs())))
+                rest = gen.logprobs()  # tokens without text of their own (an EOS), or held at the end
+                if rest:
+                    queue.put_nowait((i, Delta("", rest)))
                 queue.put_nowait((i, Ended(gen.finish_reason, gen.limit)))
             except APIError as e:
                 queue.put_nowait((i, e))
@@ -86,16 +89,19 @@ class Choices:
             if g is not None:
                 g.abandon()
 
-    async def all(self) -> list[tuple[str, Ended]]:
-        """Every choice's text and end, in index order."""
+    async def all(self) -> list[tuple[str, Ended, list | None]]:
+        """Every choice's text, end and logprobs (None: not asked for), in index order."""
         texts: list[list[str]] = [[] for _ in self.plans]
         ends: list[Ended | None] = [None] * len(self.plans)
+        logprobs: list[list | None] = [None] * len(self.plans)
         async for i, item in self.events():
             if isinstance(item, Ended):
                 ends[i] = item
             else:
-                texts[i].append(item)
-        return [("".join(t), e) for t, e in zip(texts, ends)]
+                texts[i].append(item.text)
+                if item.logprobs is not None:
+                    logprobs[i] = (logprobs[i] or []) + item.logprobs
+        return [("".join(t), e, lp) for t, e, lp in zip(texts, ends, logprobs)]
 
     def usage(self) -> dict:
         """A prompt counted once however many samples it had, as OpenAI counts it."""

@@ -18,6 +18,7 @@ from .admission import Admission
 from .errors import Busy, from_instance_error
 from .metrics import Metrics
 from .inferlets import Inferlet
+from .logprobs import Released
 from .stops import StopCutter
 
 log = logging.getLogger("pie.serve")
@@ -35,7 +36,7 @@ class Instances:
         self._live: set[RunHandle] = set()
         self._closed = False
 
-    def _key_quota(self, owner: str | None) -> Quota | None:
+    def key_quota(self, owner: str | None) -> Quota | None:
         """The KV quota all of `owner`'s instances count against together."""
         if owner is None or self.key_share is None:
             return None
@@ -52,7 +53,8 @@ class Instances:
 
     def spawn(self, wasm: Path | bytes, args: list[str], *, name: str, owner: str | None, arrived: float,
               on_text: Callable[[str], None] | None, on_result: Callable[[RunResult], None],
-              limits: Limits | None = None, label: str | None = None) -> RunHandle:
+              limits: Limits | None = None, label: str | None = None, logprobs: int | None = None,
+              on_logprobs: Callable[[list], None] | None = None) -> RunHandle:
         """Start one instance in the slot `owner` holds; `on_result` is called from a waiter
         thread once its run has returned and its slot is free. `arrived` (perf_counter) is when
         its request came, for the latency metrics. Every instance of the server, an OpenAI
@@ -67,7 +69,7 @@ class Instances:
             if self._closed:
                 raise Busy("the server is shutting down", code="shutting_down")
             handle = self.runtime.start(wasm, args, name=name, on_text=text, limits=limits,
-                                        kv_parent=self._key_quota(owner))
+                                        kv_parent=self.key_quota(owner), logprobs=logprobs, on_logprobs=on_logprobs)
         except BaseException:
             self.admission.release(owner)
             raise
@@ -115,12 +117,16 @@ class _Timing:
 
 class Generation:
     """One instance serving one request. `text()` yields its text as it is generated; leaving
-    it before the end (a client gone, a stop string) cancels the instance."""
+    it before the end (a client gone, a stop string) cancels the instance. With `logprobs`,
+    `logprobs()` gives the tokens' logprobs whose text `text()` has yielded (then the rest)."""
 
     def __init__(self, instances: Instances, inferlet: Inferlet, args: list[str], prompt_tokens: int,
-                 stops: list[str], owner: str | None, arrived: float):
+                 stops: list[str], owner: str | None, arrived: float, logprobs: int | None = None):
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[str | RunResult] = asyncio.Queue()
+        self._queue: asyncio.Queue[str | list | RunResult] = asyncio.Queue()
+        self._released = Released(instances.runtime.engine.tokenizer) if logprobs is not None else None
+        self._sent = 0  # characters yielded by text()
+        self._over = False  # text() has seen the run's result
         self._cut = StopCutter(stops)
         self._instances = instances
         self._eos = set(instances.runtime.engine.info.eos_ids)
@@ -132,9 +138,10 @@ class Generation:
         # on_text runs on the instance's or the compute thread: it only hands the text over
         self.handle_name = inferlet.run_name
         self.handle = instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner, arrived=arrived,
-                                      on_text=self._post, on_result=self._ended, label=inferlet.metric_label)
+                                      on_text=self._post, on_result=self._ended, label=inferlet.metric_label,
+                                      logprobs=logprobs, on_logprobs=self._post if logprobs is not None else None)
 
-    def _post(self, item: str | RunResult) -> None:
+    def _post(self, item: str | list | RunResult) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
@@ -153,7 +160,11 @@ class Generation:
         try:
             while True:
                 item = await self._queue.get()
+                if isinstance(item, list):  # an emission's logprobs, before its text
+                    self._released.add(item)
+                    continue
                 if isinstance(item, RunResult):
+                    self._over = True
                     if self.stopped:
                         return  # cancelled by us: its error is ours
                     if not item.ok and item.limit is None:
@@ -164,12 +175,14 @@ class Generation:
                                     len(item.token_ids), item.limit)
                     tail = self._cut.flush()
                     if tail:
+                        self._sent += len(tail)
                         yield tail
                     return
                 if self.stopped:
                     continue  # text generated after the stop string, before the cancel took effect
                 out, hit = self._cut.push(item)
                 if out:
+                    self._sent += len(out)
                     yield out
                 if hit:
                     self.stopped = True
@@ -182,8 +195,14 @@ class Generation:
         if self.result is None:
             self.handle.cancel("the client went away")
 
-    async def all_text(self) -> str:
-        return "".join([t async for t in self.text()])
+    def logprobs(self) -> list | None:
+        """The logprobs (offset, TokenLogprob) not given yet whose tokens' text text() has yielded;
+        once the run has ended, the rest of those the client was given (completion_tokens)."""
+        if self._released is None:
+            return None
+        if self._over:
+            return self._released.take(self._sent) + self._released.rest(self.completion_tokens)
+        return self._released.take(self._sent)
 
     @property
     def finish_reason(self) -> str:

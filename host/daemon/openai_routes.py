@@ -45,8 +45,31 @@ async def model(model_id: str, request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     svc = _service(request)
     plans = await svc.plan(request, body, body.prompts(), body.max_tokens)
-    return await _respond(request, Choices(svc, request, plans), CompletionShape(svc.model, body.include_usage()),
-                          body.stream)
+    top = body.logprobs_top()
+    shape = CompletionShape(svc.model, body.include_usage(), top, svc.token_texts)
+    if body.echo:
+        shape.echoes = await _unless_gone(request, svc.echoes(request, plans, top))
+    if body.max_tokens == 0:  # the prompts alone: no instance runs
+        return _echoed(plans, shape, body.stream)
+    return await _respond(request, Choices(svc, request, plans), shape, body.stream)
+
+
+def _echoed(plans, shape: CompletionShape, stream: bool):
+    """The answer of max_tokens=0: each choice's echoed prompt, ended at its length."""
+    end = Ended("length")
+    usage = {"prompt_tokens": sum(p.prompt_tokens for p in plans if p.sample == 0), "completion_tokens": 0}
+    usage["total_tokens"] = usage["prompt_tokens"]
+    if not stream:
+        return JSONResponse(shape.response([("", end, []) for _ in plans], usage))
+
+    def chunks():
+        for i in range(len(plans)):
+            for c in shape.ends(i, end):
+                yield sse(c)
+        if shape.include_usage:
+            yield sse(shape.usage_chunk(usage))
+        yield sse("[DONE]")
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @router.post("/chat/completions")
@@ -54,7 +77,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     svc = _service(request)
     offered = body.offered()
     plans = await svc.plan(request, body, [await svc.render_chat(body.messages, offered)], body.token_limit())
-    shape = ChatShape(svc.model, body.include_usage(), calling=offered is not None)
+    shape = ChatShape(svc.model, body.include_usage(), calling=offered is not None, logprobs=body.logprobs_top(),
+                      texts=svc.token_texts)
     return await _respond(request, Choices(svc, request, plans), shape, body.stream)
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from ..engine.logprobs import MAX_TOP
 from .errors import BadRequest
 from . import tools
 from .tools import Tool, ToolCall
@@ -36,8 +37,7 @@ def utf8_len(text: str, param: str) -> int:
 # field -> the values that ask for nothing (clients send them by default); any other value is 400
 NOT_HONOURED: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "best_of": (1,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
-    "echo": (False,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"),
 }  # tools and tool_choice: chat completions take them (ChatRequest); the legacy completions do not
 
@@ -149,6 +149,10 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logprobs_top(self) -> int | None:
+        """How many alternatives each token's logprob carries; None: no logprobs asked for."""
+        return None
+
 
 @dataclass(frozen=True)
 class Constraint:
@@ -168,6 +172,16 @@ def _short(value) -> str:
 class CompletionRequest(SamplingRequest):
     # text, a batch of texts, one prompt's token ids, or a batch of those (OpenAI's four forms)
     prompt: str | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    # each token's logprob and this many alternatives (OpenAI allows 5; vLLM, as here, 20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
+    echo: bool | None = False  # the prompt before the completion (with logprobs: the prompt's too)
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt's logprobs alone (lm-eval's loglikelihood)
+
+    def logprobs_top(self) -> int | None:
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens=0 asks for nothing unless echo=true (the prompt's logprobs)",
+                             param="max_tokens")
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch (one for a plain prompt), in order."""
@@ -206,6 +220,13 @@ class ChatRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None  # none, auto, required, or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
+
+    def logprobs_top(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:  # as OpenAI answers it
+            raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def tool_mode(self) -> tuple[str, str | None]:
         """(none | auto | required, the function a named tool_choice names)."""

@@ -21,6 +21,8 @@ from .admission import Admission
 from .errors import BadRequest, NotFound, UnknownModel
 from .instances import Generation, Instances
 from .limits import ServeLimits
+from ..engine.logprobs import score_tokens
+from .logprobs import Echo, TokenTexts
 from .metrics import Metrics
 from .inferlets import Inferlet, Inferlets
 from .runs import Runs
@@ -51,6 +53,7 @@ class Service:
         self.engine = runtime.engine
         self.config = config
         self.model = self.engine.info.name
+        self.token_texts = TokenTexts(self.engine.tokenizer)  # logprobs' token texts, cached per id
         self.metrics = Metrics(self.model)
         self.admission = Admission(config.max_instances, config.max_queue, config.max_instances_per_key)
         self.metrics.watch(lambda: self.admission.running, lambda: self.admission.waiting)
@@ -167,6 +170,7 @@ class Service:
         else:
             inferlet = await self.constrained_inferlet(req.inferlet, c, owner_of(request))
             extra += [c.flag, c.source]
+        logprobs = req.logprobs_top()
         seed = req.seed if req.seed is not None else secrets.randbits(63)  # unseeded requests differ
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
@@ -180,7 +184,7 @@ class Service:
                 raise BadRequest("the prompt is empty", param="prompt")
             room = self.engine.info.context_len - n_prompt
             most = room if max_tokens is None else max_tokens  # as vLLM: up to the end of the context
-            if most > room or room < 1:
+            if most > room or room < 1 and most > 0:
                 raise BadRequest(f"the prompt's {n_prompt} tokens and max_tokens={most} exceed the model's context "
                                  f"of {self.engine.info.context_len} tokens", param="max_tokens",
                                  code="context_length_exceeded")
@@ -189,7 +193,7 @@ class Service:
                 args = [*given, "--max-tokens", str(most), "--temperature", repr(temperature), "--top-p", repr(top_p),
                         "--top-k", str(max(req.top_k or 0, 0)), "--min-p", repr(req.min_p or 0.0),
                         "--seed", str((seed + j) % 2**64), *extra]
-                plans.append(Plan(inferlet, args, n_prompt, stops, i, j))
+                plans.append(Plan(inferlet, args, n_prompt, stops, i, j, logprobs, p))
         return plans
 
     def check_prompt_ids(self, ids: list[int]) -> None:
@@ -201,11 +205,32 @@ class Service:
             raise BadRequest(f"the prompt's {len(ids)} tokens cannot fit the model's context of "
                              f"{self.engine.info.context_len} tokens", param="prompt", code="context_length_exceeded")
 
+    async def echoes(self, request: Request, plans: list[Plan], top: int | None) -> list[Echo]:
+        """Each choice's echoed prompt: its text and, with `top`, its tokens' logprobs (one prompt
+        pass per distinct prompt, in a slot of its own, its pages counted against the key's quota)."""
+        by_prompt: dict[int, Echo] = {}
+        for plan in plans:
+            if plan.prompt_index in by_prompt:
+                continue
+            p = plan.prompt
+            ids = p if isinstance(p, list) else await asyncio.to_thread(self.engine.tokenizer.encode, p,
+                                                                         add_special_tokens=False)
+            scored = None
+            if top is not None:
+                owner, _ = await self.admit(request)
+                try:
+                    scored = await asyncio.to_thread(score_tokens, self.engine, self.runtime.scheduler, ids, top,
+                                                     self.instances.key_quota(owner))
+                finally:
+                    self.admission.release(owner)
+            by_prompt[plan.prompt_index] = Echo.of(p, ids, scored, self.engine.tokenizer)
+        return [by_prompt[plan.prompt_index] for plan in plans]
+
     async def start(self, request: Request, plan: Plan) -> Generation:
         """Start one choice's inferlet once admission gives it a slot."""
         owner, arrived = await self.admit(request)
         gen = Generation(self.instances, plan.inferlet, plan.args, plan.prompt_tokens, plan.stops, owner,
-                         arrived)  # a failed start frees its slot
+                         arrived, plan.logprobs)  # a failed start frees its slot
         self.metrics.started(plan.inferlet.metric_label, plan.prompt_tokens)
         return gen
 
@@ -220,6 +245,8 @@ class Plan:
     stops: list[str]
     prompt_index: int  # which prompt of a batch
     sample: int  # which of its n
+    logprobs: int | None = None  # each token's logprob with this many alternatives; None: none
+    prompt: str | list[int] = ""  # as the request gave it (text, or token ids)
 
 
 def _message(m: ChatMessage, native: bool) -> dict:

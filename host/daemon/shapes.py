@@ -8,6 +8,16 @@ import uuid
 from dataclasses import dataclass
 
 from . import tools
+from .logprobs import Echo, TokenTexts, chat_logprobs, completion_logprobs
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A choice's next text, and the logprobs of the tokens it completes: (offset of the token's
+    text in the choice's, TokenLogprob), or None when the request asked for none."""
+
+    text: str
+    logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -28,11 +38,16 @@ class _Shape:
     chunk_object: str
     id_prefix: str
 
-    def __init__(self, model: str, include_usage: bool = False):
+    def __init__(self, model: str, include_usage: bool = False, logprobs: int | None = None,
+                 texts: TokenTexts | None = None):
+        """logprobs: the alternatives each token's logprob carries (None: the request asked for
+        none); texts: the tokens' texts (with logprobs)."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.texts = texts
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -49,24 +64,49 @@ class _Shape:
 
 
 class CompletionShape(_Shape):
+    """`echoes`: with `echo`, each choice's prompt (Service.echoes), sent before its text."""
+
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def response(self, choices: list[tuple[str, Ended]], usage: dict) -> dict:
-        """choices: (text, how it ended) in index order."""
-        return self._head(self.object) | {"choices": [self._choice(i, t, e) for i, (t, e) in enumerate(choices)],
-                                          "usage": usage}
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.echoes: list[Echo] | None = None
+        self._shift: dict[int, int] = {}  # a streamed choice -> its echoed prompt's length
 
-    def _choice(self, index: int, text: str, end: Ended | None) -> dict:
-        return _ended({"index": index, "text": text, "logprobs": None}, end)
+    def response(self, choices: list[tuple[str, Ended, list | None]], usage: dict) -> dict:
+        """choices: (text, how it ended, its logprobs) in index order."""
+        out = []
+        for i, (text, end, logprobs) in enumerate(choices):
+            echo = self.echoes[i] if self.echoes else None
+            if echo is not None:
+                shift = len(echo.text)
+                text, logprobs = echo.text + text, (echo.entries or []) + [(at + shift, lp) for at, lp in logprobs or []]
+            out.append(self._choice(i, text, end, logprobs))
+        return self._head(self.object) | {"choices": out, "usage": usage}
 
-    def deltas(self, index: int, text: str) -> list[dict]:
+    def _choice(self, index: int, text: str, end: Ended | None, logprobs: list | None = None) -> dict:
+        lp = None if self.logprobs is None else completion_logprobs(logprobs or [], self.logprobs, self.texts)
+        return _ended({"index": index, "text": text, "logprobs": lp}, end)
+
+    def _echo(self, index: int) -> list[dict]:
+        """The chunk of choice `index`'s prompt, before its first text."""
+        if not self.echoes or index in self._shift:
+            return []
+        echo = self.echoes[index]
+        self._shift[index] = len(echo.text)
+        return [self.chunk(self._choice(index, echo.text, None, echo.entries))]
+
+    def deltas(self, index: int, delta: Delta) -> list[dict]:
         """The chunks for choice `index`'s next text."""
-        return [self.chunk(self._choice(index, text, None))]
+        out = self._echo(index)
+        shift = self._shift.get(index, 0)
+        lps = None if delta.logprobs is None else [(at + shift, lp) for at, lp in delta.logprobs]
+        return out + [self.chunk(self._choice(index, delta.text, None, lps))]
 
     def ends(self, index: int, end: Ended) -> list[dict]:
         """The chunks that end choice `index`."""
-        return [self.chunk(self._choice(index, "", end))]
+        return self._echo(index) + [self.chunk(self._choice(index, "", end))]
 
 
 class ChatShape(_Shape):
@@ -78,22 +118,28 @@ class ChatShape(_Shape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model: str, include_usage: bool = False, calling: bool = False):
-        super().__init__(model, include_usage)
+    def __init__(self, model: str, include_usage: bool = False, calling: bool = False, logprobs: int | None = None,
+                 texts: TokenTexts | None = None):
+        super().__init__(model, include_usage, logprobs, texts)
         self.calling = calling
         self._began: set[int] = set()  # choices whose first chunk (the role) is out
         self._began_text: set[int] = set()  # choices that have streamed some text
         self._held: dict[int, list[str]] = {}  # the text of choices that are calls
+        self._held_logprobs: dict[int, list] = {}  # and their tokens' logprobs
 
-    def response(self, choices: list[tuple[str, Ended]], usage: dict) -> dict:
+    def response(self, choices: list[tuple[str, Ended, list | None]], usage: dict) -> dict:
         out = []
-        for i, (text, end) in enumerate(choices):
+        for i, (text, end, logprobs) in enumerate(choices):
             if self.calling and tools.is_call(text):
                 message = {"role": "assistant", "content": None, "tool_calls": tools.parse(text)}
             else:
                 message = {"role": "assistant", "content": text}
-            out.append(_ended({"index": i, "message": message, "logprobs": None}, self._end(text, end)))
+            out.append(_ended({"index": i, "message": message, "logprobs": self._logprobs(logprobs)},
+                              self._end(text, end)))
         return self._head(self.object) | {"choices": out, "usage": usage}
+
+    def _logprobs(self, entries: list | None) -> dict | None:
+        return None if self.logprobs is None else chat_logprobs(entries or [], self.logprobs, self.texts)
 
     def _end(self, text: str, end: Ended) -> Ended:
         """A choice of calls the grammar let finish ends with "tool_calls", as OpenAI's."""
@@ -101,8 +147,9 @@ class ChatShape(_Shape):
             return Ended("tool_calls")
         return end
 
-    def _choice(self, index: int, delta: dict, end: Ended | None) -> dict:
-        return _ended({"index": index, "delta": delta, "logprobs": None}, end)
+    def _choice(self, index: int, delta: dict, end: Ended | None, logprobs: list | None = None) -> dict:
+        lp = self._logprobs(logprobs) if logprobs else None  # a chunk without tokens carries none, as OpenAI's
+        return _ended({"index": index, "delta": delta, "logprobs": lp}, end)
 
     def _begin(self, index: int) -> list[dict]:
         if index in self._began:
@@ -110,12 +157,14 @@ class ChatShape(_Shape):
         self._began.add(index)
         return [self.chunk(self._choice(index, {"role": "assistant", "content": ""}, None))]
 
-    def deltas(self, index: int, text: str) -> list[dict]:
+    def deltas(self, index: int, delta: Delta) -> list[dict]:
         out = self._begin(index)
+        text = delta.text
         if index in self._held or (self.calling and index not in self._began_text and tools.is_call(text)):
             self._held.setdefault(index, []).append(text)
-        elif text:
-            out.append(self.chunk(self._choice(index, {"content": text}, None)))
+            self._held_logprobs.setdefault(index, []).extend(delta.logprobs or [])
+        elif text or delta.logprobs:
+            out.append(self.chunk(self._choice(index, {"content": text}, None, delta.logprobs)))
         if text:
             self._began_text.add(index)
         return out
@@ -125,7 +174,8 @@ class ChatShape(_Shape):
         text = "".join(self._held.pop(index, []))
         if text:
             calls = [{"index": k, **c} for k, c in enumerate(tools.parse(text))]
-            out.append(self.chunk(self._choice(index, {"tool_calls": calls} if calls else {"content": text}, None)))
+            out.append(self.chunk(self._choice(index, {"tool_calls": calls} if calls else {"content": text}, None,
+                                               self._held_logprobs.pop(index, None))))
         out.append(self.chunk(self._choice(index, {}, self._end(text, end))))
         return out
 

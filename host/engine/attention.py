@@ -5,9 +5,12 @@ Either way only the attention core is replaced: it writes the batch's new K/V ro
 paged pool and attends each pass's queries to that pass's frozen rows plus its own window
 (causally). Rows past a working set's frozen end from earlier passes are never in the context.
 
-Short windows (decode rows, verification windows) attend with the engine's kernel where one is
-built (kernels.py: CPU, float32), which reads the context where it lies in the pool; long
-windows (prompts), and every window without the kernel, go through SDPA over a gathered copy.
+Where the engine's kernel is built (kernels.py: CPU, float32) every window attends with it: it
+reads the context where it lies in the pool and computes each row alone, so a row's attention
+is the same in a decode, a verification window and a prompt pass of any length (the logprobs of
+an accepted draft, a prompt's cached KV). A prompt pass costs ~10% more than through SDPA
+(768 rows on the Zen 4 VM, 2 threads: 1.27 s against 1.14 s). Without the kernel every window
+goes through SDPA over a gathered copy.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ if TYPE_CHECKING:
 
 NAME = "pie_paged"
 
-# Windows up to this many rows are short: they share one attention call (padded to the longest,
-# or the kernel's); a longer one (a prompt) gets its own, so it does not pad every decode row.
+# Windows up to this many rows are short: they share one attention call (padded to the longest
+# under SDPA); a longer one (a prompt) gets its own, so it does not pad every decode row.
 SMALL_WINDOW = 16
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
@@ -48,7 +51,7 @@ class Group:
     # rows of the layer's pool, viewed [2 * kv_heads * slots, D], that hold the contexts' K and V:
     # made by the first layer, used by all (one gather along dim 0, which torch runs on every core)
     kv_rows: torch.Tensor | None = None
-    # short windows, for the kernel: each pass's first flat row, window and frozen length
+    # for the kernel: each pass's first flat row, window and frozen length
     passes: tuple[list[int], list[int], list[int]] | None = None
     # the kernel's arguments after the pool and query: made by the first layer, used by all
     plan: tuple | None = None
@@ -62,13 +65,13 @@ class BatchMeta:
     # keys lie in one run, which a decode row's attention over a long context reads faster)
     slot_mapping: torch.Tensor  # [T] pool slot of each new row
     groups: list[Group]
-    kernel: Callable | None = None  # kernels.paged_attention for the short-window groups, or None: SDPA
+    kernel: Callable | None = None  # kernels.paged_attention for every group, or None: SDPA
 
 
 def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], lengths: list[int],
                sets: list[WorkingSet], whole: bool, kernel: bool) -> Group:
     """Passes over the working sets `sets`, one each: lengths is each pass's context length
-    (frozen + window); whole: the group is the entire batch; kernel: short windows attend with the
+    (frozen + window); whole: the group is the entire batch; kernel: the windows attend with the
     engine's kernel (then they need no mask)."""
     b, wmax, lmax = len(windows), max(windows), max(lengths)
     run = sets[0].slot_run(lengths[0]) if b == 1 else None  # one run of slots: attention reads a view
@@ -78,8 +81,7 @@ def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], le
         ctx_t = torch.tensor([c + [0] * (lmax - len(c)) for c in ctx], device=dev)
     mask = q_index = q_valid = rows = None
     causal = b == 1 and wmax > 1 and frozen[0] == 0
-    short = not causal and wmax <= SMALL_WINDOW
-    if (b > 1 or wmax > 1) and not causal and not (kernel and short):
+    if (b > 1 or wmax > 1) and not causal and not kernel:
         fz = torch.tensor(frozen, device=dev)
         cl = torch.tensor(lengths, device=dev)
         qi = torch.arange(wmax, device=dev)
@@ -98,7 +100,7 @@ def make_group(dev, starts: list[int], windows: list[int], frozen: list[int], le
         if not whole:
             rows = q_index.flatten()[q_valid]
     return Group(rows, ctx_t, run, q_index, q_valid, mask, causal, uniform,
-                 passes=(starts, windows, frozen) if short else None)
+                 passes=(starts, windows, frozen) if kernel else None)
 
 
 def _attend(g: Group, kv, query, scaling):
@@ -132,7 +134,7 @@ def _attend(g: Group, kv, query, scaling):
 
 
 def kernel_plan(g: Group, dev) -> tuple:
-    """The kernel's arguments after the pool and the query, for a group of short windows."""
+    """The kernel's arguments after the pool and the query, for a group."""
     starts, windows, frozen = torch.tensor(g.passes, device=dev)  # three contiguous rows
     ctx = g.ctx_slots if g.ctx_slots is not None else _NO_SLOTS
     return ctx, g.ctx_range[0] if g.ctx_range is not None else 0, starts, windows, frozen

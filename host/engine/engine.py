@@ -208,10 +208,11 @@ class Engine:
         return {n: self.heads[n].bind(ws) for n in names}
 
     # ---- working sets -------------------------------------------------------------
-    def new_working_set(self, quota: Quota | None = None) -> WorkingSet:
-        """quota: the pages its instance may hold (PagePool.quota); None: the whole pool."""
+    def new_working_set(self, quota: Quota | None = None, scores=None) -> WorkingSet:
+        """quota: the pages its instance may hold (PagePool.quota); None: the whole pool.
+        scores: a logprobs.RowScores to keep its rows for its run's logprobs; None: none kept."""
         with self.lock:
-            return WorkingSet(next(self._ids), self.pool, quota=quota)
+            return WorkingSet(next(self._ids), self.pool, quota=quota, scores=scores)
 
     def fork(self, ws: WorkingSet) -> WorkingSet:
         with self.lock:
@@ -343,9 +344,9 @@ class Engine:
         return Batch(passes, firsts, input_ids, positions, meta, rows, splits)
 
     def _groups(self, passes: list[Pass]) -> list[attention.Group]:
-        if len(passes) == 1:  # a lone pass (a decode step): one group, nothing to partition
-            return [self._group(passes, [0], [0], True)]
         starts = list(itertools.accumulate((ps.window for ps in passes), initial=0))[:-1]
+        if len(passes) == 1 or self.attention_kernel is not None:  # a lone pass, or the kernel's ragged batch
+            return [self._group(passes, list(range(len(passes))), starts, True)]
         small = [i for i, ps in enumerate(passes) if ps.window <= attention.SMALL_WINDOW]
         sets = ([small] if small else []) + [[i] for i, ps in enumerate(passes) if ps.window > attention.SMALL_WINDOW]
         return [self._group(passes, idx, [starts[i] for i in idx], len(sets) == 1) for idx in sets]
@@ -377,12 +378,17 @@ class Engine:
             hidden = prenorm.index_select(0, batch.readout_index).float()
         self.model_time_s += time.perf_counter() - t0
         if len(batch.passes) == 1:  # nothing to split (each torch op costs ~10 us after a model call)
-            return [PassOutput(logits, hidden if batch.passes[0].hidden else None)]
-        splits = batch.readout_splits
-        lgs = iter(logits.split([n for n, w in zip(splits, want) if w]) if logits is not None else ())
-        hiddens = hidden.split(splits) if hidden is not None else [None] * len(splits)
-        return [PassOutput(next(lgs) if ps.logits else None, hd if ps.hidden else None)
-                for ps, hd in zip(batch.passes, hiddens)]
+            outs = [PassOutput(logits, hidden if batch.passes[0].hidden else None)]
+        else:
+            splits = batch.readout_splits
+            lgs = iter(logits.split([n for n, w in zip(splits, want) if w]) if logits is not None else ())
+            hiddens = hidden.split(splits) if hidden is not None else [None] * len(splits)
+            outs = [PassOutput(next(lgs) if ps.logits else None, hd if ps.hidden else None)
+                    for ps, hd in zip(batch.passes, hiddens)]
+        for ps, first, out in zip(batch.passes, batch.first_positions, outs):
+            if ps.ws.scores is not None and out.logits is not None:  # its run reports logprobs
+                ps.ws.scores.record(first, ps.readout, out.logits)
+        return outs
 
     def _layers(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch through the decoder: the last layer's output before and after the final norm."""

@@ -106,7 +106,7 @@ def variant(isa: str) -> SkinnyOps | None:
 
 
 def paged_attention() -> Callable | None:
-    """The paged attention kernel for short windows (csrc/paged_attention.cpp), or None."""
+    """The paged attention kernel (csrc/paged_attention.cpp), or None."""
     mod = _module()
     return mod.paged_attention if mod is not None else None
 

@@ -14,9 +14,9 @@ with the engine's attention hook (attention.py).
 
 On the CPU in float32, `rows` (csrc/row_ops.cpp) does each layer's elementwise steps in three
 calls instead of some thirty operators: the norms and SiLU then round differently from
-transformers' (the tests compare within float tolerance). A batch of short windows (decode
-rows, verification windows) runs this loop in C++ (csrc/layer_stack.cpp), call for call and
-bit for bit: `native`, None to run this module's loop.
+transformers' (the tests compare within float tolerance). A batch that attends with the paged
+kernel runs this loop in C++ (csrc/layer_stack.cpp), call for call and bit for bit: `native`,
+None to run this module's loop.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ class WorkingSet:
     edits: int = 0  # how many times frozen rows were dropped or moved (truncate, evict): appends are not edits
     released: bool = False
     quota: Quota | None = None  # the owning instance's share of the pool; its forks carry it too
+    scores: object | None = None  # logprobs.RowScores when its instance reports logprobs; forks copy it
 
     @property
     def frozen(self) -> int:
@@ -99,7 +100,8 @@ class WorkingSet:
     def fork(self, new_id: int) -> "WorkingSet":
         keep = self.pages[: self._pages_for(self.frozen)]
         self.pool.retain(keep)
-        return WorkingSet(new_id, self.pool, list(keep), list(self.tokens), list(self.positions), quota=self.quota)
+        return WorkingSet(new_id, self.pool, list(keep), list(self.tokens), list(self.positions), quota=self.quota,
+                          scores=self.scores.fork() if self.scores is not None else None)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.frozen:
@@ -136,4 +138,5 @@ class WorkingSet:
         if not self.released:
             self.pool.release(self.pages)
             self.pages = []
+            self.scores = None
             self.released = True

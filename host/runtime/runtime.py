@@ -23,6 +23,7 @@ import wasmtime
 from wasmtime.component import Linker
 
 from ..engine import Engine
+from ..engine.logprobs import TokenLogprob
 from ..engine.loop import LoopStats
 from ..engine.pages import Quota
 from ..engine.scheduler import Scheduler
@@ -50,10 +51,14 @@ class RunResult:
     # a failed run that had reached one of its limits (host/runtime/limits.py, the KV quota): that
     # limit's message. Its output so far is sound: `pie serve` answers it with finish_reason "length"
     limit: str | None = None
+    # one per token id when the run was started with `logprobs` (host/engine/logprobs.py), else None
+    logprobs: list[TokenLogprob] | None = None
 
     def to_json(self) -> dict:
         out = {"inferlet": self.inferlet, "model": self.model, "text": self.text, "token_ids": self.token_ids,
                "stats": self.stats}
+        if self.logprobs is not None:
+            out["logprobs"] = [t.to_json() for t in self.logprobs]
         if not self.ok:
             out["error"] = self.error
         if self.limit is not None:
@@ -201,13 +206,17 @@ class Runtime:
     # ---- running ----------------------------------------------------------------------
     def start(self, wasm: bytes | str | Path, args: list[str] = (), *, name: str | None = None,
               on_text: Callable[[str], None] | None = None, limits: Limits | None = None,
-              kv_parent: Quota | None = None) -> RunHandle:
+              kv_parent: Quota | None = None, logprobs: int | None = None,
+              on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> RunHandle:
         """Run an inferlet in its own thread; load errors also arrive as a failed RunResult.
-        kv_parent: a quota the instance's own KV quota counts against too (pie serve: its key's)."""
+        kv_parent: a quota the instance's own KV quota counts against too (pie serve: its key's).
+        logprobs: report each emitted token's logprob with this many top alternatives (0..20;
+        None: none); on_logprobs gets each emission's, before its text reaches on_text."""
         name = name or (Path(wasm).stem if isinstance(wasm, (str, Path)) else "inferlet")
         limits = limits or self.limits
         host = InstanceHost(self.engine, self.scheduler, list(args), limits.cpu_time_s, self.epoch_tick_s, on_text,
-                            kv_quota=self.engine.pool.quota(limits.kv_share, kv_parent), limits=limits)
+                            kv_quota=self.engine.pool.quota(limits.kv_share, kv_parent), limits=limits,
+                            logprobs=logprobs, on_logprobs=on_logprobs)
         handle = RunHandle()
         handle._cancel = host.cancel
         handle.draft_stats = host.draft_stats
@@ -267,7 +276,8 @@ class Runtime:
         return RunResult(
             inferlet=name, model=self.engine.info.name, ok=error is None, error=error, text=text,
             token_ids=list(host.token_ids), stats=self._stats(host, wall), log=log, returned=returned,
-            limit=host.limit_hit if error is not None else None)
+            limit=host.limit_hit if error is not None else None,
+            logprobs=list(host.token_logprobs) if host.logprobs is not None else None)
 
     def _instantiate_and_run(self, component, host: InstanceHost, limits: Limits, log_path: Path) -> None:
         store = wasmtime.Store(self.wasm_engine)

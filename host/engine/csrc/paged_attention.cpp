@@ -1,4 +1,4 @@
-// Paged attention of short query windows (decode rows, verification windows) on the CPU, in float32.
+// Paged attention of query windows (decode rows, verification windows, prompts) on the CPU, in float32.
 //
 // SDPA over the paged pool needs each pass's context gathered into a padded copy first: the
 // copy is written and read again, three times the traffic of reading the context once. This
@@ -37,6 +37,9 @@ inline float hmax(vf v) {
 // the row's context length alone, so the row's arithmetic does too.
 constexpr int64_t kSegment = 128;
 constexpr int64_t kMaxChunks = 256 / kLanes;  // head_dim up to 256
+
+// Window rows per block at most: a block's scores (rows x group x kSegment) stay in L2.
+constexpr int64_t kBlockRows = 32;
 
 // Context rows per tile of the weighted sum: 64 value rows of 64 floats fill half of a 32 KiB L1.
 constexpr int64_t kTile = 64;
@@ -124,7 +127,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx
   // blocks per window: enough tasks for every thread a few times over, none of them empty
   const int64_t want = 4 * at::get_num_threads();
   const int64_t per_block = passes * kv_heads * segs;
-  const int64_t blocks = std::min(widest, std::max<int64_t>(1, (want + per_block - 1) / per_block));
+  const int64_t blocks = std::min(widest, std::max<int64_t>((widest + kBlockRows - 1) / kBlockRows,
+                                                          (want + per_block - 1) / per_block));
   const int64_t block = (widest + blocks - 1) / blocks;
   // per (row, head, segment): the segment's weighted values [d], its largest score, its weights' sum
   const int64_t part_len = d + 2;

@@ -49,7 +49,8 @@ class Instance(Output):
 
     def __init__(self, engine: Engine, scheduler, args: list[str], cpu_time_s: float, epoch_tick_s: float,
                  on_text: Callable[[str], None] | None = None, kv_quota: Quota | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, logprobs: int | None = None,
+                 on_logprobs: Callable[[list], None] | None = None):
         self.engine = engine
         self.limits = limits or Limits()
         self.cells = 0  # of the live channels
@@ -64,7 +65,7 @@ class Instance(Output):
         self.limit_hit: str | None = None  # the first of its limits it reached (RunResult.limit)
         self.fatal_trace = ""  # the traceback of a host bug, added to the run's log
         self._link = _Link()
-        super().__init__(engine, self.limits.output_bytes, on_text)
+        super().__init__(engine, self.limits.output_bytes, on_text, logprobs, on_logprobs)
         # counters (the host's, not the guest's)
         self.guest_calls = 0
         self.passes = 0
@@ -110,6 +111,7 @@ class Instance(Output):
         """Free everything the instance still holds: loops, KV pages, channel buffers, samplers,
         and the host functions' way to it (see `_Link`)."""
         self._link.fns.clear()
+        self.scored = None
         wasmtime_internals.forget_epoch_deadline(self._epoch_key)
         self.stop_loops()
         for obj in self.handles.values():

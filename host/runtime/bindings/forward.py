@@ -153,6 +153,7 @@ class ForwardCalls:
             ps.choose = greedy
         elif kind.tag == "sample":
             ps.choose = inst.handles[kind.payload].sample
+        inst.scored = ps.ws
         out = inst.scheduler.forward(ps)
         inst.passes += 1
         if ps.fold is not Fold.ALL and ps.fold < ps.window:  # the guest decides the fold later (commit)
@@ -177,6 +178,7 @@ class ForwardCalls:
                 ch.detach_producer(err)
         loop.done.add_done_callback(ended)
         self.inst.loops.append(loop)
+        self.inst.scored = loop.ws
         self.inst.scheduler.start_loop(loop)
 
     # ---- epilogues ---------------------------------------------------------------------

@@ -1,20 +1,29 @@
-"""An instance's output: free text and generated token ids, their byte budget, and the text
-streamed to the client as the ids are decoded."""
+"""An instance's output: free text and generated token ids, their byte budget, the text
+streamed to the client as the ids are decoded, and, when the run asked for them, the ids'
+logprobs (host/engine/logprobs.py)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Callable
 
+from ...engine.logprobs import RowScores, TokenLogprob
 from ..detok import Detokenizer
 from ..errors import BudgetExceeded
 from ..limits import flag
 
 
 class Output:
-    def __init__(self, engine, limit_bytes: int, on_text: Callable[[str], None] | None):
+    def __init__(self, engine, limit_bytes: int, on_text: Callable[[str], None] | None,
+                 logprobs: int | None = None, on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
+        """logprobs: report each emitted id's logprob with this many top alternatives (None: none);
+        on_logprobs: called with each emission's logprobs, before its text reaches on_text."""
         self.engine = engine
         self.on_text = on_text
+        self.logprobs = logprobs
+        self.on_logprobs = on_logprobs
+        self.token_logprobs: list[TokenLogprob] = []  # one per id of token_ids, when logprobs is set
+        self.scored = None  # the working set whose rows score the emitted ids: that of the latest pass
         self.output = 0  # bytes of output text and token ids
         self.output_limit = limit_bytes  # Limits.output_bytes
         self.token_ids: list[int] = []
@@ -46,8 +55,25 @@ class Output:
     def emit(self, ids: list[int]) -> None:
         """Record generated ids (checked against the vocabulary) and stream their text."""
         self.engine.check_ids(ids)
+        scored = self._score(ids)  # before the lock: it runs on the compute thread, whose sink may wait for it
         with self._out_lock:
+            if scored is not None:
+                self.token_logprobs.extend(scored)
+                if self.on_logprobs is not None:
+                    self.on_logprobs(scored)
             self._emit_ids(ids)
+
+    def new_scores(self) -> RowScores | None:
+        """What a new working set of this run keeps for its logprobs (None: the run reports none)."""
+        return None if self.logprobs is None else RowScores(self.logprobs)
+
+    def _score(self, ids: list[int]) -> list[TokenLogprob] | None:
+        if self.logprobs is None:
+            return None
+        ws = self.scored
+        if ws is None or ws.scores is None:
+            return [TokenLogprob(t, None) for t in ids]
+        return ws.scores.take(ids, ws.next_position)
 
     def _emit_ids(self, ids: list[int]) -> None:
         """Record committed ids (call with _out_lock held). Their text is decoded at once for a

@@ -15,7 +15,7 @@ class WorkingSetCalls:
     def functions(self) -> dict:
         inst, engine = self.inst, self.inst.engine
         return {
-            "create": lambda: inst._new(lambda: engine.new_working_set(inst.kv_quota)),
+            "create": lambda: inst._new(lambda: engine.new_working_set(inst.kv_quota, inst.new_scores())),
             "frozen-length": lambda ws: inst._ws(ws).frozen,
             "tokens": lambda ws: list(inst._ws(ws).tokens),
             "fork": lambda ws: inst._new(lambda: engine.fork(inst._ws(ws))),

@@ -194,11 +194,12 @@ def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, 
             room = args.max_tokens - len(out)
             if len(committed) >= room:
                 committed, stop = committed[:room], True
-            emit(committed)
-            out += committed
             # t0 and the accepted drafts (fewer when the output was cut); the target's token
             # is next round's t0. Also on the last round, so the host's accepted count is whole.
+            # Before the emit: the host scores emitted ids by the rows frozen before them (logprobs).
             ws.commit(min(1 + n, len(committed)))
+            emit(committed)
+            out += committed
             if stop:
                 break
             context += committed
