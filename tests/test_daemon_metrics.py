@@ -153,3 +153,26 @@ def test_default_inferlet_is_configurable(runtime, cacheback_wasm, copy_referenc
         assert _metrics(s.url)[("pie:spec_decode_num_draft_tokens_total", (("inferlet", CACHEBACK),))] > 0
     finally:
         s.stop()
+
+
+def test_per_request_spec_decode_metrics(served, client):
+    """vLLM's per-request `metrics.speculative_decoding`, asked for with the extension field: the
+    counts add up, whole and streamed; an answer that did not ask carries none."""
+    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": COPY}], max_tokens=MAX_TOKENS, temperature=0)
+    r = client.chat.completions.create(**kw, extra_body={"inferlet": CACHEBACK, "spec_decode_metrics": True})
+    m = r.model_extra["metrics"]["speculative_decoding"]
+    assert m["num_draft_tokens"] >= m["num_accepted_draft_tokens"] > 0 and m["num_spec_steps"] > 0
+    hist = m["acceptance_histogram"]
+    assert len(hist) == m["num_spec_tokens"] + 1 and sum(hist) == m["num_spec_steps"]
+    assert sum(j * c for j, c in enumerate(hist)) == m["num_accepted_draft_tokens"]
+    assert m["mean_acceptance_length"] == 1 + m["num_accepted_draft_tokens"] / m["num_spec_steps"]
+    assert m["draft_acceptance_rate"] == m["num_accepted_draft_tokens"] / m["num_draft_tokens"]
+    assert len(m["acceptance_by_position"]) == m["num_spec_tokens"] and 0 < m["acceptance_by_position"][0] <= 1
+    # plain decoding drafts nothing
+    plain = client.chat.completions.create(**kw, extra_body={"spec_decode_metrics": True})
+    assert plain.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] == 0
+    assert "metrics" not in (client.chat.completions.create(**kw).model_extra or {})
+    # streamed: in the usage chunk, the same counts (greedy: the same rounds)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"inferlet": CACHEBACK, "spec_decode_metrics": True}))
+    assert chunks[-1].usage is not None and chunks[-1].model_extra["metrics"]["speculative_decoding"] == m

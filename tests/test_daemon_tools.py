@@ -1,6 +1,7 @@
 """Tool calling on /v1/chat/completions (issue 40) with the real `openai` client: calls valid by
 construction under required, a named function and auto; none as if no tools were sent; a round
-trip through a tool message; streamed calls; greedy speculative equal to constrained plain."""
+trip through a tool message; streamed calls (name first, then arguments in deltas); a named
+function called exactly once; greedy speculative equal to constrained plain."""
 
 from __future__ import annotations
 
@@ -132,6 +133,45 @@ def test_streamed_calls_equal_the_unstreamed_ones(client):
         assert not c.choices[0].delta.content  # a call is never streamed as text
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == _calls(whole.choices[0])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_calls_stream_as_openai_streams_them(client):
+    """Issue 53: the name first, then the arguments in deltas as they are generated."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              temperature=0, max_tokens=80)
+    deltas = [d for c in client.chat.completions.create(stream=True, **kw) if c.choices
+              for d in c.choices[0].delta.tool_calls or []]
+    first, rest = deltas[0], deltas[1:]
+    assert first.function.name == "get_weather" and first.id.startswith("call_") and first.function.arguments == ""
+    assert len(rest) > 1 and all(d.index == 0 and d.function.name is None for d in rest)
+    jsonschema.validate(json.loads("".join(d.function.arguments for d in rest)), SCHEMAS["get_weather"])
+
+
+def test_a_named_function_is_called_exactly_once(client):
+    """Issue 53: with parallel calls allowed (the default) a named tool_choice still yields one call
+    and ends (it used to start a second one and run into max_tokens)."""
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+                                         tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                                         temperature=0, max_tokens=200)
+    (choice,) = out.choices
+    assert choice.finish_reason == "tool_calls" and out.usage.completion_tokens < 200
+    ((name, _),) = _calls(choice)
+    assert name == "add"
+
+
+def test_call_stream_cuts_calls_wherever_the_text_is_cut():
+    from host.daemon.tools import CLOSE, OPEN, CallStream
+
+    text = (OPEN + '{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "unit": "celsius"}}' + CLOSE + "\n"
+            + OPEN + '{"name": "add", "arguments": {"a": 2, "b": 3}}' + CLOSE)
+    for step in (1, 2, 5, 13, len(text)):
+        stream, calls = CallStream(), {}
+        for i in range(0, len(text), step):
+            for d in stream.push(text[i:i + step]):
+                got = calls.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+                got["arguments"] += d["function"]["arguments"]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+            ("get_weather", {"city": 'Pa"ris}', "unit": "celsius"}), ("add", {"a": 2, "b": 3})], step
 
 
 def test_speculative_calls_equal_constrained_plain_decoding(client):

@@ -143,6 +143,18 @@ def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_proposer
         _check_stats(a)
 
 
+def test_seeds_of_64_bits_sample(runtime, cacheback_wasm, mtp_wasm):
+    """Issue 53: a seed past 32 bits (an unseeded request's, on pie serve) made the programs' sampling
+    ops fail validation; the whole u64 seeds the draws."""
+    prompt = dev_prompts()[0]["prompt"]
+    jobs = [(w, s) for w in (cacheback_wasm, mtp_wasm) for s in (2**64 - 1, 2**63 + 5, 2**63 + 5 + 2**32)]
+    hs = [runtime.start(w, _args(prompt, 12, "--temperature", "0.9", "--seed", str(s))) for w, s in jobs]
+    res = [h.result(timeout=600) for h in hs]
+    assert all(r.ok and len(r.token_ids) == 12 for r in res), [r.error for r in res]
+    for a, b in (res[1:3], res[4:6]):  # seeds that differ past their low 32 bits draw differently
+        assert a.token_ids != b.token_ids
+
+
 def test_cacheback_guest_calls_do_not_grow_with_tokens(runtime, cacheback_wasm):
     prompt = ("Write a short story about a robot who learns to paint. "
               "Then retell the same story in exactly the same words.")

@@ -29,6 +29,9 @@ def add_serve_parser(subparsers) -> None:
                    help="most instances one API key has running and waiting; past it 429 (default: no limit)")
     p.add_argument("--metrics-need-key", action="store_true",
                    help="/metrics requires an API key too (default: open, as /health)")
+    p.add_argument("--per-request-spec-decode-metrics", action="store_true",
+                   help="every completion's answer ends with its speculation's metrics (`metrics`, as vLLM's); "
+                        "a request may ask with `spec_decode_metrics: true` alone")
     p.add_argument("--default-inferlet", "--inferlet", dest="inferlet", default="text-completion",
                    help="the inferlet that serves completions which name none: a built name or a .wasm path")
     serve_limits.add_flags(p)  # what one client may cost before an instance runs
@@ -55,7 +58,7 @@ def cmd_serve(args) -> int:
     config = ServeConfig(inferlet=resolve_inferlet(args.inferlet), max_instances=args.max_instances,
                          max_queue=args.max_queue, max_instances_per_key=args.max_instances_per_key,
                          api_keys=load_keys(args.api_key_file), max_upload_bytes=client_limits.upload_bytes,
-                         metrics_need_key=args.metrics_need_key,
+                         metrics_need_key=args.metrics_need_key, spec_metrics=args.per_request_spec_decode_metrics,
                          limits=client_limits)
     limits = from_args(args)  # all checked before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
+from ..engine.loop import LoopStats
 from .errors import APIError, TooManyRequests
 from .instances import Generation
 from .service import Plan, Service
@@ -102,6 +103,11 @@ class Choices:
                 if item.logprobs is not None:
                     logprobs[i] = (logprobs[i] or []) + item.logprobs
         return [("".join(t), e, lp) for t, e, lp in zip(texts, ends, logprobs)]
+
+    def spec_metrics(self) -> dict:
+        """The answer's `metrics`: the choices' speculation together (LoopStats.summary)."""
+        stats = [g.handle.draft_stats for g in self.gens if g is not None and g.handle.draft_stats is not None]
+        return {"speculative_decoding": LoopStats.summary(stats)}
 
     def usage(self) -> dict:
         """A prompt counted once however many samples it had, as OpenAI counts it."""

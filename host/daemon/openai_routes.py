@@ -51,7 +51,11 @@ async def completions(body: CompletionRequest, request: Request):
         shape.echoes = await _unless_gone(request, svc.echoes(request, plans, top))
     if body.max_tokens == 0:  # the prompts alone: no instance runs
         return _echoed(plans, shape, body.stream)
-    return await _respond(request, Choices(svc, request, plans), shape, body.stream)
+    return await _respond(request, Choices(svc, request, plans), shape, body.stream, _metrics(svc, body))
+
+
+def _metrics(svc: Service, body) -> bool:
+    return svc.config.spec_metrics if body.spec_decode_metrics is None else body.spec_decode_metrics
 
 
 def _echoed(plans, shape: CompletionShape, stream: bool):
@@ -79,17 +83,22 @@ async def chat_completions(body: ChatRequest, request: Request):
     plans = await svc.plan(request, body, [await svc.render_chat(body.messages, offered)], body.token_limit())
     shape = ChatShape(svc.model, body.include_usage(), calling=offered is not None, logprobs=body.logprobs_top(),
                       texts=svc.token_texts)
-    return await _respond(request, Choices(svc, request, plans), shape, body.stream)
+    return await _respond(request, Choices(svc, request, plans), shape, body.stream, _metrics(svc, body))
 
 
-async def _respond(request: Request, choices: Choices, shape: CompletionShape | ChatShape, stream: bool):
+async def _respond(request: Request, choices: Choices, shape: CompletionShape | ChatShape, stream: bool,
+                   metrics: bool):
+    """metrics: the answer ends with the choices' speculation metrics (`metrics`, vLLM's place)."""
     # the first choice's instance has started (or the request was refused) before any byte of the response
     await choices.start_first()
     if stream:
-        return StreamingResponse(_events(request, choices, shape), media_type="text/event-stream",
+        return StreamingResponse(_events(request, choices, shape, metrics), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     out = await _unless_gone(request, choices.all())
-    return JSONResponse(shape.response(out, choices.usage()))
+    body = shape.response(out, choices.usage())
+    if metrics:
+        body["metrics"] = choices.spec_metrics()
+    return JSONResponse(body)
 
 
 async def _unless_gone(request: Request, work):
@@ -109,7 +118,8 @@ async def _unless_gone(request: Request, work):
     return task.result()
 
 
-async def _events(request: Request, choices: Choices, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:
+async def _events(request: Request, choices: Choices, shape: CompletionShape | ChatShape,
+                  metrics: bool) -> AsyncIterator[str]:
     """The SSE stream. A client that disconnects cancels the request's task here, and leaving
     the choices' events early cancels their instances."""
     try:
@@ -120,8 +130,11 @@ async def _events(request: Request, choices: Choices, shape: CompletionShape | C
         failed_in_stream(request, e)
         yield sse(e.body())
     else:
-        if shape.include_usage:
-            yield sse(shape.usage_chunk(choices.usage()))
+        last = shape.usage_chunk(choices.usage()) if shape.include_usage else None
+        if metrics:  # in the usage chunk, else in one of its own (no choices) after the last choice's
+            last = (last or shape.chunk(None)) | {"metrics": choices.spec_metrics()}
+        if last is not None:
+            yield sse(last)
     finally:
         choices.abandon()  # cancelled before its text began: the instances must not run on alone
     yield sse("[DONE]")

@@ -27,7 +27,8 @@ LIMIT_KEYS = {f.metadata["flag"].lstrip("-").replace("-", "_"): f for f in field
 
 
 def capped_limits(asked: dict[str, float], server: Limits) -> Limits:
-    """The server's limits, lowered where a launch asks for less (never raised past them)."""
+    """The server's limits, lowered where a launch asks for less; asking for more is a 400 that
+    names the cap (a launch is never served with less than it asked for, unsaid)."""
     kw = {}
     for key, value in asked.items():
         f = LIMIT_KEYS.get(key)
@@ -36,7 +37,11 @@ def capped_limits(asked: dict[str, float], server: Limits) -> Limits:
         m = f.metadata
         if not math.isfinite(value) or value <= 0:  # int(inf) and int(nan) raise: refused here
             raise BadRequest(f"limits.{key}: must be a positive finite number, not {value}", param=f"limits.{key}")
-        kw[f.name] = m["kind"](min(value * m["unit"], getattr(server, f.name)))
+        cap = getattr(server, f.name)
+        if value * m["unit"] > cap:
+            raise BadRequest(f"limits.{key}: {value:g} exceeds this server's cap of {m['kind'](cap / m['unit']):g}",
+                             param=f"limits.{key}")
+        kw[f.name] = m["kind"](value * m["unit"])
     try:
         return Limits(**{f.name: getattr(server, f.name) for f in fields(Limits)} | kw)
     except PieError as e:

@@ -86,6 +86,9 @@ class SamplingRequest(BaseModel):
     # sha256; None: the server's --default-inferlet) and arguments of its own
     inferlet: str | None = Field(None, min_length=1)
     inferlet_args: list[str] = []
+    # extension: the answer's `metrics.speculative_decoding` (what speculation bought this request);
+    # None: the server's default (pie serve --per-request-spec-decode-metrics)
+    spec_decode_metrics: bool | None = None
 
     def extra_args(self, max_count: int) -> list[str]:
         """inferlet_args, refused where they would override what the request's own fields set."""

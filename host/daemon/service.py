@@ -45,6 +45,7 @@ class ServeConfig:
     upload_dir: Path | None = None  # None: $PIE_HOME/inferlets
     max_upload_bytes: int = ServeLimits.upload_bytes
     limits: ServeLimits = ServeLimits()  # what one request may cost before an instance runs
+    spec_metrics: bool = False  # every answer carries its speculation's metrics (a request may ask alone)
 
 
 class Service:

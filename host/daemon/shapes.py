@@ -111,8 +111,9 @@ class CompletionShape(_Shape):
 
 class ChatShape(_Shape):
     """`calling`: the request offered tools (tools.py), so an output that is calls is answered as
-    `tool_calls` with finish_reason "tool_calls". Streamed, a choice's calls come whole in one
-    delta once it ends (its text is held from its first character, which tells calls apart)."""
+    `tool_calls` with finish_reason "tool_calls". Streamed, a choice's calls come as OpenAI streams
+    them (tools.CallStream: each call's name, then its arguments as they are generated); its first
+    character tells calls from text."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -125,7 +126,8 @@ class ChatShape(_Shape):
         self._began: set[int] = set()  # choices whose first chunk (the role) is out
         self._began_text: set[int] = set()  # choices that have streamed some text
         self._held: dict[int, list[str]] = {}  # the text of choices that are calls
-        self._held_logprobs: dict[int, list] = {}  # and their tokens' logprobs
+        self._calls: dict[int, tools.CallStream] = {}  # and their calls as they stream
+        self._held_logprobs: dict[int, list] = {}  # logprobs of their tokens not sent yet
 
     def response(self, choices: list[tuple[str, Ended, list | None]], usage: dict) -> dict:
         out = []
@@ -162,7 +164,12 @@ class ChatShape(_Shape):
         text = delta.text
         if index in self._held or (self.calling and index not in self._began_text and tools.is_call(text)):
             self._held.setdefault(index, []).append(text)
-            self._held_logprobs.setdefault(index, []).extend(delta.logprobs or [])
+            held = self._held_logprobs.setdefault(index, [])
+            held.extend(delta.logprobs or [])
+            calls = self._calls.setdefault(index, tools.CallStream()).push(text)
+            if calls:
+                out.append(self.chunk(self._choice(index, {"tool_calls": calls}, None, held if held else None)))
+                self._held_logprobs[index] = []
         elif text or delta.logprobs:
             out.append(self.chunk(self._choice(index, {"content": text}, None, delta.logprobs)))
         if text:
@@ -172,11 +179,9 @@ class ChatShape(_Shape):
     def ends(self, index: int, end: Ended) -> list[dict]:
         out = self._begin(index)
         text = "".join(self._held.pop(index, []))
-        if text:
-            calls = [{"index": k, **c} for k, c in enumerate(tools.parse(text))]
-            out.append(self.chunk(self._choice(index, {"tool_calls": calls} if calls else {"content": text}, None,
-                                               self._held_logprobs.pop(index, None))))
-        out.append(self.chunk(self._choice(index, {}, self._end(text, end))))
+        self._calls.pop(index, None)  # a call cut by the limit has streamed what it had
+        held = self._held_logprobs.pop(index, None)
+        out.append(self.chunk(self._choice(index, {}, self._end(text, end), held)))
         return out
 
 

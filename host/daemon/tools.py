@@ -22,6 +22,7 @@ from .errors import BadRequest
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "arguments": ')  # a call's body up to its arguments (JSON_STYLE)
 
 
 class FunctionDef(BaseModel):
@@ -82,7 +83,7 @@ def grammar(tools: list[Tool], mode: str, name: str | None, parallel: bool) -> s
              for t in offered]
     schema = {"anyOf": calls, "x-guidance": JSON_STYLE}
     start = "calls" if mode == "required" else "TEXT | calls"
-    many = ' ("\\n" call)*' if parallel else ""
+    many = ' ("\\n" call)*' if parallel and name is None else ""  # a named function: exactly one call, as OpenAI
     return "\n".join([f"start: {start}", f"calls: call{many}", f"call: {json.dumps(OPEN)} body {json.dumps(CLOSE)}",
                       f"body: %json {json.dumps(schema)}", r"TEXT: /[^<][\s\S]*/"])
 
@@ -124,3 +125,44 @@ def parse(text: str) -> list[dict]:
                       "function": {"name": body["name"], "arguments": json.dumps(body["arguments"],
                                                                                  ensure_ascii=False)}})
     return calls
+
+
+class CallStream:
+    """One choice's calls as OpenAI streams them, from the output's text as it is generated: a
+    call's first delta names it (with its id), the next ones carry its arguments' JSON text as it
+    comes. The grammar fixes the body's shape (`{"name": ..., "arguments": ...}` in JSON_STYLE),
+    so the arguments are what lies between the head and the `}` before CLOSE (a JSON string holds
+    no raw newline, so CLOSE never occurs inside them)."""
+
+    def __init__(self):
+        self._text = ""  # generated text not yet turned into deltas
+        self._index = -1  # the call being streamed
+        self._in_arguments = False
+
+    def push(self, text: str) -> list[dict]:
+        """The deltas (OpenAI's `delta.tool_calls` entries) that `text`, appended, completes."""
+        self._text += text
+        out = []
+        while True:
+            if not self._in_arguments:
+                start = self._text.find(OPEN)
+                head = _HEAD.match(self._text, start + len(OPEN)) if start >= 0 else None
+                if head is None:
+                    return out
+                self._index += 1
+                out.append({"index": self._index, "id": f"call_{secrets.token_hex(12)}", "type": "function",
+                            "function": {"name": head.group(1), "arguments": ""}})
+                self._text, self._in_arguments = self._text[head.end():], True
+            end = self._text.find(CLOSE)
+            if end < 0:  # all but what may be the body's "}" and the start of CLOSE
+                ready = len(self._text) - len(CLOSE)
+                if ready > 0:
+                    out.append(self._arguments(self._text[:ready]))
+                    self._text = self._text[ready:]
+                return out
+            if end > 1:  # the arguments' rest, without the body's closing "}"
+                out.append(self._arguments(self._text[:end - 1]))
+            self._text, self._in_arguments = self._text[end + len(CLOSE):], False
+
+    def _arguments(self, text: str) -> dict:
+        return {"index": self._index, "function": {"arguments": text}}

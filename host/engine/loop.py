@@ -28,6 +28,7 @@ class LoopStats:
     accepted: int = 0  # of those, rows that were frozen
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)  # [j]: rounds that accepted exactly j of their drafts
 
     _pending: int = 0  # drafts of a pass whose fold the guest will commit later
 
@@ -49,6 +50,9 @@ class LoopStats:
         acc = min(max(fold - 1, 0), drafts)
         self.drafted += drafts
         self.accepted += acc
+        if drafts:
+            self.histogram += [0] * (drafts + 1 - len(self.histogram))
+            self.histogram[acc] += 1
         for pos in range(drafts):
             if pos >= len(self.drafted_by_position):
                 self.drafted_by_position.append(0)
@@ -58,6 +62,24 @@ class LoopStats:
 
     def acceptance_by_position(self) -> list[float]:
         return [round(a / d, 4) for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @staticmethod
+    def summary(stats: list["LoopStats"]) -> dict:
+        """Runs' speculation together, in vLLM's per-request `speculative_decoding` fields (a spec
+        step: a round that verified at least one draft) and acceptance by draft position."""
+        steps = sum(s.drafted_by_position[0] for s in stats if s.drafted_by_position)
+        drafted = sum(s.drafted for s in stats)
+        accepted = sum(s.accepted for s in stats)
+        width = max((len(s.histogram) for s in stats), default=0)
+        hist = [sum(s.histogram[j] for s in stats if j < len(s.histogram)) for j in range(width)]
+        by_pos = [(sum(s.accepted_by_position[i] for s in stats if i < len(s.accepted_by_position)),
+                   sum(s.drafted_by_position[i] for s in stats if i < len(s.drafted_by_position)))
+                  for i in range(max(width - 1, 0))]
+        return {"mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+                "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "acceptance_histogram": hist, "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
+                "num_draft_tokens": drafted, "num_spec_tokens": max(width - 1, 0),
+                "acceptance_by_position": [round(a / d, 4) for a, d in by_pos]}
 
 
 @dataclass

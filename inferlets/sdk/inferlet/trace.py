@@ -274,7 +274,7 @@ class Program:
         return self._op("arange", [], {"n": n, "start": start}, "i64")
 
     def rand(self, shape, seed=0):
-        return self._op("rand", [], {"shape": list(shape), "seed": seed}, "f32")
+        return self._op("rand", [], {"shape": list(shape), "seed": _op_seed(seed)}, "f32")
 
     # --- functions ---------------------------------------------------------
     def cast(self, x, dtype):
@@ -350,7 +350,7 @@ class Program:
 
     def sample_probs(self, probs, seed=0):
         """Sample an index over the last axis from non-negative weights."""
-        return self._op("sample", [probs], {"seed": seed}, "i64")
+        return self._op("sample", [probs], {"seed": _op_seed(seed)}, "i64")
 
     def ngram_lookup(self, seq, k, ngram_min=1, ngram_max=3, length=None):
         """Prompt lookup over seq: returns (tokens [k] padded with -1, count)."""
@@ -365,7 +365,7 @@ class Program:
     def verify_sample(self, drafts, p, q=None, seed=0):
         """Rejection sampling (Leviathan et al.) -> (accepted, tokens [k+1], count)."""
         args = [drafts, p] if q is None else [drafts, p, q]
-        return self._op("verify_sample", args, {"seed": seed}, ["i64", "i64", "i64"], 3)
+        return self._op("verify_sample", args, {"seed": _op_seed(seed)}, ["i64", "i64", "i64"], 3)
 
     def lru_lookup(self, table, stamps, key, g, k):
         """The LRU n-gram table's followers of leader key [g] -> (followers [k] padded with -1, count)."""
@@ -404,7 +404,8 @@ class Program:
         after row r), then chain it to min(k, limit) drafts -> (drafts [k] padded with -1, their number)."""
         args = [hidden, tokens, self._lift(count, "i64")] + ([] if limit is None else [self._lift(limit, "i64")])
         return self._op("mtp_draft", args,
-                        {"drafter": str(drafter), "k": int(k), "temperature": float(temperature), "seed": int(seed)},
+                        {"drafter": str(drafter), "k": int(k), "temperature": float(temperature),
+                         "seed": _op_seed(seed)},
                         ["i64", "i64"], 2)
 
     def draft_probs(self, drafts, from_head, drafter):
@@ -452,3 +453,10 @@ class Program:
 
     def to_json(self):
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def _op_seed(seed) -> int:
+    """An op's seed attribute: 32 bits (the IR's integer attributes). A run's whole u64 seed seeds
+    its epilogue call, which every draw is keyed by too; an op keeps its low 32 bits (a program
+    built with a server's random 63-bit seed was refused)."""
+    return int(seed) & 0xFFFFFFFF
