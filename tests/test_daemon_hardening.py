@@ -407,3 +407,13 @@ def test_body_that_dribbles_is_408(runtime, text_completion_wasm):
         sock.close()
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("args", [["--draft-len", "-5"], ["--draft-len", "9" * 1_000_000], ["--bogus", "x"]])
+def test_an_inferlets_own_argument_errors_are_short_400s(http, args):
+    """Issue 53: every refusal of an inferlet's own arguments is a 400; a 1 MB argument came back
+    whole in the message."""
+    resp = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2,
+                                              "inferlet": "cacheback-speculative-decoding", "inferlet_args": args})
+    err = _error(resp, 400)
+    assert err["code"] == "inferlet_usage" and len(resp.content) < 4000

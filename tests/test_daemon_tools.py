@@ -257,3 +257,21 @@ def test_langchain_structured_output_through_a_function_call(chat_model):
 
     out = chat_model.with_structured_output(City, method="function_calling").invoke("Name a city in France.")
     assert isinstance(out, City) and out.name and out.country
+
+
+def test_pydantic_ai_tool_output(served):
+    """Issue 53: pydantic-ai's default structured output (a `final_result` tool it requires) gives an
+    object of the output type: the call's arguments validate by construction."""
+    from pydantic import BaseModel
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=served.url + "/v1", api_key="none"))
+    agent = Agent(model, output_type=City, model_settings={"temperature": 0, "max_tokens": 120})
+    out = agent.run_sync("What is the capital of France?").output
+    assert isinstance(out, City) and out.name and out.country

@@ -87,6 +87,7 @@ def test_lm_eval_loglikelihoods_equal_hfs(served, engine, tmp_path, monkeypatch)
         lp = compute().call(score)
         hf = [float(lp[k - 1, t]) for k, t in enumerate(ids) if k > 0]
         worst = max(worst, max(abs(a - b) for a, b in zip(values[1:], hf)))
+    print(f"lm-eval: max |pie - HF| over {sum(len(v) - 1 for _, v in served.scored)} prompt logprobs: {worst:.2e}")
     assert worst < 1e-4
     # and the harness's loglikelihoods are sums of those logprobs: each is one of the prompts' tails
     sums = [sum(v[-k:]) for _, v in served.scored for k in range(1, len(v))]

@@ -93,11 +93,17 @@ class InstanceFailed(APIError):
     code = "inferlet_failed"
 
 
+MESSAGE_CHARS = 2000  # of a failed run's message, in its API error
+
+
 def from_instance_error(error: str, returned: bool = False) -> APIError:
     """A failed run's `code: message` as the API error a client should see: its own request's
     faults as 400, a full page pool or a shutdown as 503, anything else as 500. An error the
     inferlet returned itself (RunResult.returned) is 400: the SDK's inferlets return one only for
-    arguments they refuse (UsageError), the client's mistake."""
+    arguments they refuse (UsageError), the client's mistake. The inferlet wrote the message: it is
+    cut to MESSAGE_CHARS (a refused 1 MB argument must not come back whole)."""
+    if len(error) > MESSAGE_CHARS:
+        error = f"{error[:MESSAGE_CHARS]}... ({len(error) - MESSAGE_CHARS} more characters)"
     code, _, _ = error.partition(":")
     if code in ("context-overflow", "invalid-argument"):
         return BadRequest(error, code=code)

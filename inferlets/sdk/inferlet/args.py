@@ -83,7 +83,8 @@ def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:
         try:
             parsed = typ(value)
         except ValueError:
-            raise UsageError(f"{name}: {value!r} is not a valid {typ.__name__}") from None
+            shown = repr(value) if len(value) <= 60 else f"{value[:40]!r}... ({len(value)} characters)"
+            raise UsageError(f"{name}: {shown} is not a valid {typ.__name__}") from None
         if name in _TYPES:
             setattr(out, attr, parsed)
         else:
