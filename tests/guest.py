@@ -34,6 +34,7 @@ cacheback = importlib.import_module("inferlet.cacheback")
 reference = importlib.import_module("inferlet.reference")
 speculative = importlib.import_module("inferlet.speculative")
 constrained = importlib.import_module("inferlet.constrained")
+args = importlib.import_module("inferlet.args")
 
 
 def chan(capacity, values=()):

@@ -20,6 +20,7 @@ from host.epilogue import compile_program
 from guest import cells, chan, plain_greedy
 from guest import cacheback as spec
 from guest import speculative
+from guest import args as guest_args
 
 # every test here runs with both scalar paths of the executor (see conftest.scalar_path)
 pytestmark = pytest.mark.usefixtures("scalar_path")
@@ -351,3 +352,82 @@ def test_guest_verify_is_distributed_as_the_target():
         bad[x] += 1  # "accept every draft" gives q, not p
     obs = bad[:4]  # p0 has no mass on token 4
     assert chisquare(obs, [p_rows[0][i] * sum(obs) for i in range(4)]).pvalue < 1e-6
+
+
+# --- penalties (issue 53): verify row i counts the drafts before it --------------------------
+
+def sdk_penalties(presence=0.0, frequency=0.0, repetition=1.0, output_start=0):
+    return guest_args.Penalties(presence, frequency, repetition, output_start)
+
+
+def plain_penalized(eng, prompt, n, pen):
+    """Plain greedy decoding under penalties: one engine pass per token, the host's Sampler at
+    temperature 0 choosing each token with the context so far counted."""
+    from host.epilogue.ops.sampling import Penalties
+    from host.runtime.sampling import Context, Sampler
+
+    s = Sampler(0.0, 1.0, 0, penalties=Penalties(pen.presence, pen.frequency, pen.repetition, pen.output_start))
+    ws = eng.new_working_set()
+    (out,) = eng.forward([Pass(ws, prompt, [len(prompt) - 1])])
+    ctx, toks = list(prompt), []
+    for _ in range(n):
+        t = s.sample(out.logits[-1:], len(ctx) - 1, Context(ctx, [len(ctx)]))[0]
+        toks.append(t)
+        ctx.append(t)
+        (out,) = eng.forward([Pass(ws, [t], [0])])
+    eng.release(ws)
+    return toks
+
+
+@pytest.mark.parametrize("pen", [dict(repetition=1.5), dict(presence=1.0, frequency=0.5),
+                                 dict(presence=-0.5, frequency=-0.3, repetition=0.8)])
+def test_greedy_under_penalties_equals_plain_decoding_under_them(big, pen):
+    eng, _ = big
+    p = sdk_penalties(**pen, output_start=len(REPETITIVE))
+    want = plain_penalized(eng, REPETITIVE, 32, p)
+    assert want != plain_greedy(eng, REPETITIVE, 32)  # the penalties change the text
+    got, stats, _, _ = run(eng, REPETITIVE, max_tokens=32, draft_len_max=4, lookup_window=16, penalties=p)
+    assert got == want
+    assert stats.drafted > 0
+
+
+def penalized_logits(logits, context, output, pen):
+    """The penalties written independently of the device op, in float64: repetition over the
+    context, then frequency x count and presence over the output."""
+    x = logits.double().clone()
+    for t in set(context):
+        x[t] = x[t] / pen.repetition if x[t] > 0 else x[t] * pen.repetition
+    for t in set(output):
+        x[t] -= pen.frequency * output.count(t) + pen.presence
+    return x
+
+
+def exact_pairs_penalized(ref, prompt, pen):
+    with torch.inference_mode():
+        p1 = target_probs(penalized_logits(ref(torch.tensor([prompt])).logits[0, -1], prompt, [], pen))
+        firsts = p1.nonzero().flatten().tolist()
+        l2 = ref(torch.tensor([prompt + [x] for x in firsts])).logits[:, -1]
+    return {(x, y): float(p1[x] * q) for x, row in zip(firsts, l2)
+            for y, q in enumerate(target_probs(penalized_logits(row, prompt + [x], [x], pen))) if q > 0}
+
+
+def test_sampled_output_under_penalties_has_their_distribution(big, monkeypatch):
+    """A negative presence penalty makes the second token repeat the first: only where verify row 1
+    counts the draft before it does an accepted first draft get that boost."""
+    from host.epilogue.ops import sampling
+
+    eng, ref = big
+    pen = sdk_penalties(presence=-0.5, frequency=-0.02, repetition=1.1, output_start=len(DIST_PROMPT))
+    exact = exact_pairs_penalized(ref, DIST_PROMPT, pen)
+    pairs, stats = sample_pairs(eng, penalties=pen)
+    accepted = sum(s.accepted for s in stats)
+    assert 0 < accepted < sum(s.drafted for s in stats)
+    assert chi_square_p(pairs, exact) > 0.001
+    # sampled as if there were no penalties: told apart
+    plain, _ = sample_pairs(eng)
+    assert chi_square_p(plain, exact) < 1e-6
+    # verification that counts no draft before its row (each row sees the history and t0 only): told apart
+    real = sampling.penalize
+    monkeypatch.setattr(sampling, "penalize", lambda x, ctx, ends, p: real(x, ctx, ends[..., :1].expand_as(ends), p))
+    blind, _ = sample_pairs(eng, penalties=pen)
+    assert chi_square_p(blind, exact) < 1e-6

@@ -220,7 +220,6 @@ def test_stop_cutter_holds_back_a_split_stop_string():
 # ---- errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
     ("best_of", 2),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
 ])

@@ -213,6 +213,31 @@ def test_logit_bias_moves_greedy_and_sampled_choice(client, reference, served, i
     assert tok.encode(out.choices[0].text, add_special_tokens=False)[0] != first
 
 
+@pytest.mark.parametrize("inferlet, extra", [(None, []), (None, ["--loop", "guest"]),
+                                             ("cacheback-speculative-decoding", []), ("ngram-proposer", [])])
+def test_penalties_are_served_as_plain_decoding_under_them(client, reference, inferlet, extra):
+    """Issue 53: presence, frequency and repetition penalties were 400. A greedy answer under them
+    is plain decoding's under the same penalties, whichever inferlet serves it."""
+    body = {"inferlet_args": extra} | ({"inferlet": inferlet} if inferlet else {})
+    flags = ["--presence-penalty", "0.8", "--frequency-penalty", "0.6", "--repetition-penalty", "1.3"]
+    want = reference("--prompt", QUESTION, "--chat", "--max-tokens", "24", *flags).text
+    assert want != reference("--prompt", QUESTION, "--chat", "--max-tokens", "24").text
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=24,
+                                         temperature=0, presence_penalty=0.8, frequency_penalty=0.6,
+                                         extra_body=body | {"repetition_penalty": 1.3})
+    assert out.choices[0].message.content == want
+
+
+def test_bad_penalties_are_400(http):
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("repetition_penalty", 2.5)):
+        err = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": FRANCE, field: value}), 400)
+        assert err["param"] == field, err
+    err = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": FRANCE,
+                                                     "inferlet_args": ["--presence-penalty", "1"]}), 400)
+    assert err["param"] == "inferlet_args"
+
+
 def test_bad_logit_biases_are_400(http):
     for bias, words in (({"abc": 1}, "not a token id"), ({"99999999": 1}, "not a token id"), ({"5": 101}, "outside")):
         err = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": FRANCE, "logit_bias": bias}), 400)

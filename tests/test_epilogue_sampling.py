@@ -75,3 +75,61 @@ def test_same_seed_same_round_same_sample():
     a, _, _ = first_tokens()
     b, _, _ = first_tokens()
     assert torch.equal(a, b)
+
+
+# --- penalties (issue 53) ---------------------------------------------------------------
+
+def _penalize_program(R: int, W: int, V: int, **attrs) -> str:
+    return __import__("json").dumps({
+        "version": VERSION, "dims": {"R": R, "W": W, "V": V},
+        "inputs": [{"kind": "logits"}, {"kind": "history"}, {"kind": "window"}],
+        "ops": [{"op": "penalize", "args": [0, 1, 2], "attrs": attrs}]})
+
+
+@covers("penalize")
+def test_penalize_is_hf_repetition_then_openai_penalties_row_by_row():
+    """Readout on the window's last R rows: row r counts the history and the window up to its row;
+    repetition is HF's processor to the bit, then OpenAI's frequency and presence over the output."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from host.runtime.sampling import Context, Sampler
+    from host.epilogue.ops.sampling import Penalties
+
+    g = torch.Generator().manual_seed(0)
+    V, R, start = 50, 3, 12
+    x = torch.randn(R, V, generator=g) * 4
+    hist = torch.randint(0, V, (20,), generator=g)
+    win = torch.tensor([7, 7, 60, 3])  # 60 is outside the vocabulary: it counts for nothing
+    prog = compile_program(_penalize_program(R, len(win), V, start=start, presence=0.7, frequency=0.4,
+                                             repetition=1.3))
+    got = prog.run([Env(logits=x, history=hist, window=win)], keep_values=True)[0].values[3]
+    sampler = Sampler(0.0, 1.0, 0, penalties=Penalties(0.7, 0.4, 1.3, start))
+    ctx = torch.cat([hist, win])
+    ends = [len(hist) + len(win) - R + 1 + r for r in range(R)]
+    for r in range(R):
+        seen = ctx[:ends[r]]
+        seen = seen[seen < V]
+        want = RepetitionPenaltyLogitsProcessor(1.3)(seen[None], x[r:r + 1].clone())[0]
+        out = ctx[start:ends[r]]
+        counts = torch.bincount(out[out < V], minlength=V).float()
+        want = want - 0.4 * counts - 0.7 * (counts > 0).float()
+        assert torch.equal(got[r], want), r
+    assert counts[7] >= 2 and got[R - 1][7] != x[R - 1][7]
+    # the host's sampler (a guest-driven pass) counts the same context: greedy picks the same tokens
+    picks = sampler.sample(x, 0, Context(ctx.tolist(), ends))
+    assert picks == got.argmax(-1).tolist()
+    # off: the logits unchanged
+    same = compile_program(_penalize_program(R, len(win), V)).run([Env(logits=x, history=hist, window=win)],
+                                                                  keep_values=True)[0].values[3]
+    assert torch.equal(same, x)
+
+
+def test_penalize_refuses_bad_values():
+    import pytest
+
+    from host.epilogue.ir import ProgramError
+
+    with pytest.raises(ProgramError, match="repetition penalty 0.0 must be > 0"):
+        compile_program(_penalize_program(1, 2, 5, repetition=0.0))
+    with pytest.raises(ProgramError, match="out of range"):
+        compile_program(_penalize_program(1, 2, 5, start=-1))

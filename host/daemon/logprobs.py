@@ -122,11 +122,9 @@ class Echo:
 
     @classmethod
     def of(cls, prompt: str | list[int], ids: list[int], scored: list | None, tokenizer) -> "Echo":
-        detok, chars, offsets = Detokenizer(tokenizer), 0, []
-        for t in ids:
-            offsets.append(chars)
-            chars += len(detok.push([t]))
         text = prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=True)
-        entries = None if scored is None else [
-            (at, s if s is not None else TokenLogprob(t, None)) for at, t, s in zip(offsets, ids, scored)]
-        return cls(text, entries)
+        if scored is None:
+            return cls(text, None)
+        released = Released(tokenizer)  # the offsets a streamed choice's tokens get
+        released.add([s if s is not None else TokenLogprob(t, None) for t, s in zip(ids, scored)])
+        return cls(text, released.rest(len(ids)))

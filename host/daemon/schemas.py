@@ -22,7 +22,8 @@ from .tools import Tool, ToolCall
 
 # the inferlet arguments a completion sets from its own fields (the prompt comes templated: no --chat)
 SET_BY_REQUEST = frozenset({"--prompt", "--prompt-ids", "--chat", "--max-tokens", "--temperature", "--top-p", "--top-k",
-                            "--min-p", "--logit-bias", "--seed"})
+                            "--min-p", "--logit-bias", "--presence-penalty", "--frequency-penalty",
+                            "--repetition-penalty", "--seed"})
 
 
 def utf8_len(text: str, param: str) -> int:
@@ -36,7 +37,6 @@ def utf8_len(text: str, param: str) -> int:
 
 # field -> the values that ask for nothing (clients send them by default); any other value is 400
 NOT_HONOURED: dict[str, tuple] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"),
 }  # tools and tool_choice: chat completions take them (ChatRequest); the legacy completions do not
@@ -59,6 +59,20 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off
     min_p: float | None = Field(None, ge=0, le=1)  # None or 0: off
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as text) -> a bias in [-100, 100]
+    # the one sampling rule's penalties: OpenAI's over the output, vLLM's (HF's) repetition over it all
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # None or 0: off
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)  # None or 0: off
+    repetition_penalty: float | None = Field(None, gt=0, le=2)  # None or 1: off (vLLM's range)
+
+    def penalty_args(self) -> list[str]:
+        """The inferlet's penalty arguments: only those that are on."""
+        out = []
+        for flag, value, off in (("--presence-penalty", self.presence_penalty, 0.0),
+                                 ("--frequency-penalty", self.frequency_penalty, 0.0),
+                                 ("--repetition-penalty", self.repetition_penalty, 1.0)):
+            if value is not None and value != off:
+                out += [flag, repr(float(value))]
+        return out
 
     def bias_arg(self, vocab: int) -> list[str]:
         """--logit-bias for the inferlet, each id and bias checked."""
@@ -180,10 +194,13 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False  # the prompt before the completion (with logprobs: the prompt's too)
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt's logprobs alone (lm-eval's loglikelihood)
 
-    def logprobs_top(self) -> int | None:
+    def check_supported(self) -> None:
+        super().check_supported()
         if self.max_tokens == 0 and not self.echo:
             raise BadRequest("max_tokens=0 asks for nothing unless echo=true (the prompt's logprobs)",
                              param="max_tokens")
+
+    def logprobs_top(self) -> int | None:
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
@@ -226,9 +243,12 @@ class ChatRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
 
-    def logprobs_top(self) -> int | None:
+    def check_supported(self) -> None:
+        super().check_supported()
         if self.top_logprobs and not self.logprobs:  # as OpenAI answers it
             raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def logprobs_top(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def tool_mode(self) -> tuple[str, str | None]:

@@ -159,7 +159,7 @@ class Service:
                              f"limit of {limits.choices} (pie serve --max-choices)",
                              param="n" if len(prompts) == 1 else "prompt")
         stops = req.stops(limits.stops, limits.stop_chars)
-        extra = req.extra_args(limits.inferlet_args) + req.bias_arg(self.engine.info.vocab_size)
+        extra = req.extra_args(limits.inferlet_args) + req.bias_arg(self.engine.info.vocab_size) + req.penalty_args()
         for p in prompts:
             if isinstance(p, str):
                 self.check_prompt_bytes(utf8_len(p, "prompt"), "prompt")

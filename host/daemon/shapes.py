@@ -125,27 +125,27 @@ class ChatShape(_Shape):
         self.calling = calling
         self._began: set[int] = set()  # choices whose first chunk (the role) is out
         self._began_text: set[int] = set()  # choices that have streamed some text
-        self._held: dict[int, list[str]] = {}  # the text of choices that are calls
-        self._calls: dict[int, tools.CallStream] = {}  # and their calls as they stream
+        self._calls: dict[int, tools.CallStream] = {}  # choices that are calls, as they stream
         self._held_logprobs: dict[int, list] = {}  # logprobs of their tokens not sent yet
 
     def response(self, choices: list[tuple[str, Ended, list | None]], usage: dict) -> dict:
         out = []
         for i, (text, end, logprobs) in enumerate(choices):
-            if self.calling and tools.is_call(text):
+            calls = self.calling and tools.is_call(text)
+            if calls:
                 message = {"role": "assistant", "content": None, "tool_calls": tools.parse(text)}
             else:
                 message = {"role": "assistant", "content": text}
             out.append(_ended({"index": i, "message": message, "logprobs": self._logprobs(logprobs)},
-                              self._end(text, end)))
+                              self._end(calls, end)))
         return self._head(self.object) | {"choices": out, "usage": usage}
 
     def _logprobs(self, entries: list | None) -> dict | None:
         return None if self.logprobs is None else chat_logprobs(entries or [], self.logprobs, self.texts)
 
-    def _end(self, text: str, end: Ended) -> Ended:
+    def _end(self, calls: bool, end: Ended) -> Ended:
         """A choice of calls the grammar let finish ends with "tool_calls", as OpenAI's."""
-        if self.calling and end.finish_reason == "stop" and end.limit is None and tools.is_call(text):
+        if calls and end.finish_reason == "stop" and end.limit is None:
             return Ended("tool_calls")
         return end
 
@@ -162,8 +162,7 @@ class ChatShape(_Shape):
     def deltas(self, index: int, delta: Delta) -> list[dict]:
         out = self._begin(index)
         text = delta.text
-        if index in self._held or (self.calling and index not in self._began_text and tools.is_call(text)):
-            self._held.setdefault(index, []).append(text)
+        if index in self._calls or (self.calling and index not in self._began_text and tools.is_call(text)):
             held = self._held_logprobs.setdefault(index, [])
             held.extend(delta.logprobs or [])
             calls = self._calls.setdefault(index, tools.CallStream()).push(text)
@@ -178,10 +177,9 @@ class ChatShape(_Shape):
 
     def ends(self, index: int, end: Ended) -> list[dict]:
         out = self._begin(index)
-        text = "".join(self._held.pop(index, []))
-        self._calls.pop(index, None)  # a call cut by the limit has streamed what it had
+        calls = self._calls.pop(index, None) is not None  # a call cut by the limit has streamed what it had
         held = self._held_logprobs.pop(index, None)
-        out.append(self.chunk(self._choice(index, {}, self._end(text, end), held)))
+        out.append(self.chunk(self._choice(index, {}, self._end(calls, end), held)))
         return out
 
 

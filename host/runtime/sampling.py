@@ -11,7 +11,7 @@ import torch
 
 from ..epilogue.tensors import Stream, argmax as _argmax, uniforms
 from ..epilogue.ops.layout import scatter_add
-from ..epilogue.ops.sampling import sample_logits
+from ..epilogue.ops.sampling import Penalties, penalize, sample_logits
 from ..errors import InvalidArgument
 
 
@@ -25,12 +25,21 @@ def greedy(logits: torch.Tensor, position: int) -> list[int]:
     return argmax(logits)
 
 
+class Context:
+    """What a pass's penalties count: row r counts tokens[:ends[r]] (the working set's tokens
+    before the pass, then the window's)."""
+
+    def __init__(self, tokens: list[int], ends: list[int]):
+        self.tokens, self.ends = tokens, ends
+
+
 class Sampler:
-    """The one sampling rule (temperature, top-k, min-p, the top-p nucleus); a pass's draws are
-    keyed by the sampler's seed and the position of the pass's first row (tensors.draw_seed)."""
+    """The one sampling rule (the logit bias, the penalties, temperature, top-k, min-p, the
+    top-p nucleus); a pass's draws are keyed by the sampler's seed and the position of the pass's
+    first row (tensors.draw_seed)."""
 
     def __init__(self, temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0,
-                 bias: dict[int, float] | None = None):
+                 bias: dict[int, float] | None = None, penalties: Penalties | None = None):
         if not temperature >= 0:
             raise InvalidArgument(f"temperature {temperature} must be >= 0")
         if not 0 < top_p <= 1:
@@ -43,14 +52,23 @@ class Sampler:
         self.min_p = float(min_p)
         self.seed = int(seed)
         self.bias = dict(sorted((bias or {}).items()))  # token id -> added to its logit, first
+        why = penalties.problem() if penalties is not None else None
+        if why:
+            raise InvalidArgument(why)
+        self.penalties = penalties if penalties is not None and penalties.active else None
 
-    def sample(self, logits: torch.Tensor, position: int) -> list[int]:
-        """One id per row of `logits` [rows, V], the rows of a pass whose window starts at `position`."""
+    def sample(self, logits: torch.Tensor, position: int, context: Context | None = None) -> list[int]:
+        """One id per row of `logits` [rows, V], the rows of a pass whose window starts at `position`;
+        `context` is what the penalties count (needed when there are any)."""
         if self.bias:
             rows = logits.shape[0]
             idx = torch.tensor(list(self.bias), dtype=torch.int64, device=logits.device).expand(rows, -1)
             val = torch.tensor(list(self.bias.values()), dtype=torch.float32, device=logits.device).expand(rows, -1)
             logits = scatter_add(logits.float(), idx, val)
+        if self.penalties is not None:
+            ctx = torch.tensor(context.tokens, dtype=torch.int64, device=logits.device)
+            ends = torch.tensor(context.ends, dtype=torch.int64, device=logits.device)
+            logits = penalize(logits.float()[None], ctx[None], ends[None], self.penalties)[0]
         if self.temperature == 0:
             return argmax(logits)
         u = uniforms(self.seed, position, Stream.SAMPLE, 0, list(logits.shape), logits.device)

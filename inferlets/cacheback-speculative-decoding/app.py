@@ -40,6 +40,7 @@ def generate(args) -> None:
         program, specs = cacheback.cacheback_program(
             prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed,
+            penalties=args.penalties(len(prompt)),
             lookup_window=max(LOOKUP_WINDOW, 2 * K + 2), drafter=drafter, head_len=H)
         first = None if drafter is None else mtp.mtp_prefill_program(
             drafter=drafter, draft_len=H, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,

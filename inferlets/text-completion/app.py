@@ -13,7 +13,8 @@ from inferlet.world import generation_world
 
 
 def guest_loop(model, ws, prompt, args) -> None:
-    sampler = Sampler(args.temperature, args.top_p, args.seed, args.top_k, args.min_p, args.logit_bias)
+    sampler = Sampler(args.temperature, args.top_p, args.seed, args.top_k, args.min_p, args.logit_bias,
+                      args.penalties(len(prompt)))
     eos = set(model.eos_ids)
     window = prompt
     for _ in range(args.max_tokens):
@@ -27,7 +28,7 @@ def guest_loop(model, ws, prompt, args) -> None:
 def device_loop(model, ws, prompt, args) -> None:
     out, window = Channel("u32", args.max_tokens), Channel("u32", 1)
     emit_channel(out)  # the host streams what the loop commits: no guest call per token
-    ep = model.register_epilogue(decode_program(args, model.eos_ids), {"out": out, "window": window})
+    ep = model.register_epilogue(decode_program(args, model.eos_ids, len(prompt)), {"out": out, "window": window})
     # The prompt is one pass, as in the guest loop and in HF generate: prefilling its head apart
     # from its last token gives other rounding in reduced precision, and other tokens.
     ForwardPass(ws, prompt, StateGeometry(len(prompt)), readout=[len(prompt) - 1], epilogue=ep,

@@ -59,6 +59,8 @@ def generate(args) -> None:
     model = Model()
     policy = Window(args.extra["sinks"], args.extra["window"], args.extra["step"], model.context_length)
     prompt = model.prompt_tokens(args)
+    if args.penalties(len(prompt)) is not None:
+        raise UsageError("windowed-attention takes no penalties: it evicts the context they count")
     if args.max_tokens == 0:
         return
     ws = model.working_set()

@@ -117,6 +117,10 @@ def _bias(v):
     return [(int(t), float(b)) for t, b in v]
 
 
+def _penalties(v):
+    return _fw.Penalties(float(v["presence"]), float(v["frequency"]), float(v["repetition"]), int(v["output-start"]))
+
+
 P = _plain
 # every import: its binding and how each JSON argument becomes a WIT value
 CALLS = {
@@ -145,6 +149,7 @@ CALLS = {
     "channels.release": (_ch.release, (P,)),
     "forward.create-sampler": (_fw.create_sampler, (_f32, _f32, P)),
     "forward.create-filtered-sampler": (_fw.create_filtered_sampler, (_f32, _f32, P, _f32, _bias, P)),
+    "forward.create-penalized-sampler": (_fw.create_penalized_sampler, (_f32, _f32, P, _f32, _bias, _penalties, P)),
     "forward.release-sampler": (_fw.release_sampler, (P,)),
     "forward.execute": (_fw.execute, (_pass,)),
     "forward.register-epilogue": (_fw.register_epilogue, (P, _bindings)),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from host.epilogue.ir import Value
 from host.epilogue.tensors import Stream, exp_race
-from host.epilogue.ops.spec import Attr, define, family
+from host.epilogue.ops.spec import F32_MAX, Attr, define, family
 
 F = family("sampling", "Sampling (seeded, see Randomness):")
 SEED = Attr("int", 0)
@@ -91,6 +92,102 @@ define("top_p", F, args=1, attrs={"p": Attr("num")}, infer=_filter_infer("top_p"
        doc="`top_p(x: f32 logits; 0 < p <= 1)`: over the last axis, sorted by descending probability, an entry "
            "is dropped (-inf) when the entries ranked above it already hold probability >= p; the top entry is "
            "always kept.")
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The one sampling rule's penalties, applied after the logit bias and before temperature,
+    as vLLM applies them: repetition (HF's: a seen token's logit divided by it when positive,
+    multiplied when not) over every token of the context; then frequency (minus frequency x
+    count) and presence (minus presence once) over the output's tokens, those at context index
+    `output_start` and later (OpenAI's formula). Off: 0, 0, 1."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    output_start: int = 0
+
+    def problem(self) -> str | None:
+        """Why these penalties are not valid, or None."""
+        for name in ("presence", "frequency", "repetition"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or abs(v) > F32_MAX:
+                return f"{name} penalty {v} is not a finite float32"
+        if not self.repetition > 0:
+            return f"repetition penalty {self.repetition} must be > 0"
+        if self.output_start < 0:
+            return f"output start {self.output_start} must be >= 0"
+        return None
+
+    @property
+    def active(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+
+
+def penalize(x: torch.Tensor, ctx: torch.Tensor, ends: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """x [B, R, V] with `pen` applied, row r of pass b counting the tokens ctx[b, :ends[b, r]]
+    (ctx [B, M]: the history, then the window; ends [B, R]); ids outside [0, V) count for
+    nothing. Counts are exact small integers in float32, so every order of adding gives the same
+    bits; the host's Sampler runs this too."""
+    B, R, V = x.shape
+    M = ctx.shape[-1]
+    j = torch.arange(M, device=x.device)
+    every = (j.view(1, 1, M) < ends.unsqueeze(-1)) & ((ctx >= 0) & (ctx < V)).unsqueeze(1)  # [B, R, M]
+    tok = ctx.clamp(0, max(V - 1, 0)).unsqueeze(1).expand(B, R, M)
+
+    def counts(mask):
+        return torch.zeros(B, R, V, dtype=torch.float32, device=x.device).scatter_add_(-1, tok, mask.float())
+
+    def f32(v):
+        return torch.tensor(v, dtype=torch.float32, device=x.device)
+
+    if pen.repetition != 1:
+        r = f32(pen.repetition)
+        x = torch.where(counts(every) > 0, torch.where(x > 0, x / r, x * r), x)
+    if pen.presence != 0 or pen.frequency != 0:
+        cnt = counts(every & (j >= pen.output_start).view(1, 1, M))
+        hit = cnt > 0
+        if pen.frequency != 0:
+            x = torch.where(hit, x - f32(pen.frequency) * cnt, x)
+        if pen.presence != 0:
+            x = torch.where(hit, x - f32(pen.presence), x)
+    return x
+
+
+def _penalize_infer(t, av, at):
+    x, hist, win = av
+    t.need(x, "f32"), t.rank(x, 2)
+    t.need(hist, "i64"), t.rank(hist, 1)
+    t.need(win, "i64"), t.rank(win, 1)
+    why = _penalties(at).problem()
+    if why:
+        t.fail(why)
+    return [Value("f32", x.shape)]
+
+
+def _penalize(ctx, op, a):
+    """Row r of R is the window's row W - R + r: it counts the history and the window up to itself."""
+    x, hist, win = a
+    R, N, W = x.shape[1], hist.shape[-1], win.shape[-1]
+    ends = torch.arange(N + W - R + 1, N + W + 1, device=x.device).expand(x.shape[0], R)
+    return [penalize(x, torch.cat([hist, win], -1), ends, _penalties(op.attrs))]
+
+
+def _penalties(at) -> Penalties:
+    return Penalties(at["presence"], at["frequency"], at["repetition"], at["start"])
+
+
+define("penalize", F, args=3,
+       attrs={"start": Attr("int", 0, lo=0), "presence": Attr("num", 0.0), "frequency": Attr("num", 0.0),
+              "repetition": Attr("num", 1.0)},
+       infer=_penalize_infer, impl=_penalize,
+       doc="`penalize(x: f32 [R, V], history: i64 [N], window: i64 [W]; start=0, presence=0, frequency=0, "
+           "repetition=1)`: the penalties of the one sampling rule for readout on the window's last R rows (every "
+           "row, or the last): row r (the window's row W - R + r) counts the history, then the window up to and "
+           "including its row. A token counted there has its logit divided by repetition when positive, "
+           "multiplied by it when not (HF's repetition penalty); then a token counted at an index >= start (in "
+           "history + window) has frequency x its count, then presence, subtracted (OpenAI's penalties). Ids "
+           "outside [0, V) count for nothing; repetition > 0 (`p.penalized(logits, penalties)`).")
 
 
 def _sample_infer(t, av, at):

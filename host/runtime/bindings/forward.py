@@ -17,7 +17,8 @@ from ...engine.loop import DeviceLoop
 from ...errors import InvalidArgument
 from ...grammar import Matcher
 from ..channels import Channel
-from ..sampling import Sampler, greedy
+from ...epilogue.ops.sampling import Penalties
+from ..sampling import Context, Sampler, greedy
 from .core import Instance
 from .wit import any_value, case, f32, field, list_of, record, string, u32, u64
 
@@ -44,6 +45,7 @@ class ForwardCalls:
         return {
             "create-sampler": self.create_sampler,
             "create-filtered-sampler": self.create_filtered_sampler,
+            "create-penalized-sampler": self.create_penalized_sampler,
             "release-sampler": lambda s: inst._release(s, Sampler, "sampler"),
             "execute": self.execute,
             "register-epilogue": self.register_epilogue,
@@ -58,7 +60,7 @@ class ForwardCalls:
         return self.inst._new(lambda: Sampler(temperature, top_p, seed))
 
     def create_filtered_sampler(self, temperature: float, top_p: float, top_k: int, min_p: float, bias: list,
-                                seed: int) -> int:
+                                seed: int, penalties: Penalties | None = None) -> int:
         f32(temperature, "temperature")
         f32(top_p, "top-p")
         u32(top_k, "top-k")
@@ -73,7 +75,15 @@ class ForwardCalls:
             if not math.isfinite(value):
                 raise InvalidArgument(f"the bias of token {tok} is {value}, not a finite number")
             by_id[tok] = value
-        return self.inst._new(lambda: Sampler(temperature, top_p, seed, top_k, min_p, by_id))
+        return self.inst._new(lambda: Sampler(temperature, top_p, seed, top_k, min_p, by_id, penalties))
+
+    def create_penalized_sampler(self, temperature: float, top_p: float, top_k: int, min_p: float, bias: list,
+                                 penalties: Record, seed: int) -> int:
+        pen = Penalties(f32(field(penalties, "presence", "penalties"), "presence"),
+                        f32(field(penalties, "frequency", "penalties"), "frequency"),
+                        f32(field(penalties, "repetition", "penalties"), "repetition"),
+                        u32(field(penalties, "output-start", "penalties"), "output-start"))
+        return self.create_filtered_sampler(temperature, top_p, top_k, min_p, bias, seed, pen)
 
     # ---- passes ------------------------------------------------------------------------
     def _pass(self, p: Record, rounds: int | None) -> tuple[Pass | DeviceLoop, Variant]:
@@ -152,7 +162,12 @@ class ForwardCalls:
         if kind.tag == "argmax":
             ps.choose = greedy
         elif kind.tag == "sample":
-            ps.choose = inst.handles[kind.payload].sample
+            sampler = inst.handles[kind.payload]
+            ps.choose = sampler.sample
+            if sampler.penalties is not None:  # row r counts the working set's tokens, then the window's to r
+                held = len(ps.ws.tokens)
+                context = Context(list(ps.ws.tokens) + list(ps.tokens), [held + r + 1 for r in ps.readout])
+                ps.choose = lambda logits, first: sampler.sample(logits, first, context)
         inst.scored = ps.ws
         out = inst.scheduler.forward(ps)
         inst.passes += 1

@@ -168,20 +168,24 @@ class StateGeometry:
 
 
 class Sampler:
-    """Sampling on the host by the one sampling rule (temperature, top-k, min-p, top-p) with
-    its own seeded generator.
+    """Sampling on the host by the one sampling rule (the logit bias, the penalties (an
+    args.Penalties), temperature, top-k, min-p, top-p) with its own seeded generator.
 
-    temperature 0 is greedy (argmax): no host sampler is created, unless a logit bias needs one.
+    temperature 0 is greedy (argmax): no host sampler is created, unless a bias or penalties need one.
     """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
-                 min_p: float = 0.0, logit_bias=None):
+                 min_p: float = 0.0, logit_bias=None, penalties=None):
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
         self.handle = None
-        if logit_bias or (temperature > 0 and (top_k or min_p)):  # a bias changes greedy choice too
-            bias = [(int(t), float(b)) for t, b in sorted((logit_bias or {}).items())]
+        bias = [(int(t), float(b)) for t, b in sorted((logit_bias or {}).items())]
+        if penalties is not None and penalties.active:  # penalties change greedy choice too
+            pen = _fw.Penalties(penalties.presence, penalties.frequency, penalties.repetition, penalties.output_start)
+            self.handle = _call(_fw.create_penalized_sampler, float(temperature), float(top_p), int(top_k),
+                                float(min_p), bias, pen, int(seed))
+        elif logit_bias or (temperature > 0 and (top_k or min_p)):  # a bias changes greedy choice too
             self.handle = _call(_fw.create_filtered_sampler, float(temperature), float(top_p), int(top_k),
                                 float(min_p), bias, int(seed))
         elif temperature > 0:

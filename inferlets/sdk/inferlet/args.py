@@ -2,14 +2,29 @@
 
 --prompt TEXT or --prompt-ids 1,2,3 (the prompt's token ids, for a client that tokenized it),
 --chat, --max-tokens N, --temperature T (0 = greedy), --top-p P, --top-k K (0: off), --min-p P
-(0: off), --logit-bias ID:B,ID:B, --seed S: the one sampling rule's fields (the logit bias, then
-temperature, top-k, min-p, top-p; the bias applies to greedy choice too).
+(0: off), --logit-bias ID:B,ID:B, --presence-penalty P, --frequency-penalty F (0: off),
+--repetition-penalty R (1: off), --seed S: the one sampling rule's fields (the logit bias, the
+penalties, then temperature, top-k, min-p, top-p; bias and penalties apply to greedy choice too).
 A small hand-written parser: argparse would print and exit, which a guest cannot do well.
 """
 
 
 class UsageError(Exception):
     pass
+
+
+class Penalties:
+    """The one sampling rule's penalties (the WIT's `penalties` record): repetition over the whole
+    context, then frequency x count and presence over the output, the working set's tokens from
+    index output_start on."""
+
+    def __init__(self, presence=0.0, frequency=0.0, repetition=1.0, output_start=0):
+        self.presence, self.frequency, self.repetition = float(presence), float(frequency), float(repetition)
+        self.output_start = int(output_start)
+
+    @property
+    def active(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
 
 
 class GenerationArgs:
@@ -23,8 +38,16 @@ class GenerationArgs:
         self.top_k = 0  # 0: off
         self.min_p = 0.0  # 0: off
         self.logit_bias = {}  # token id -> a value added to its logit, before everything else
+        self.presence_penalty = 0.0
+        self.frequency_penalty = 0.0
+        self.repetition_penalty = 1.0
         self.seed = 0
         self.extra = {}  # inferlet-specific --name value pairs
+
+    def penalties(self, output_start: int):
+        """The penalties with the output starting at working-set index output_start, or None when off."""
+        pen = Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, output_start)
+        return pen if pen.active else None
 
 
 def _ids(text: str) -> list:
@@ -50,9 +73,21 @@ def _bias(text: str) -> dict:
 
 _bias.__name__ = "comma-separated list of ID:BIAS (finite biases)"
 
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(text)
+    return v
+
+
+_finite.__name__ = "finite number"
+
 _TYPES = {"--prompt": ("prompt", str), "--prompt-ids": ("prompt_ids", _ids), "--max-tokens": ("max_tokens", int), "--temperature": ("temperature", float),
           "--top-p": ("top_p", float), "--top-k": ("top_k", int), "--min-p": ("min_p", float),
-          "--logit-bias": ("logit_bias", _bias), "--seed": ("seed", int)}
+          "--logit-bias": ("logit_bias", _bias), "--presence-penalty": ("presence_penalty", _finite),
+          "--frequency-penalty": ("frequency_penalty", _finite), "--repetition-penalty": ("repetition_penalty", _finite),
+          "--seed": ("seed", int)}
 
 
 def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:
@@ -101,4 +136,6 @@ def parse_generation_args(argv, extra: dict = None) -> GenerationArgs:
         raise UsageError("--top-k must be >= 0 (0: off)")
     if not 0 <= out.min_p <= 1:
         raise UsageError("--min-p must be in [0, 1] (0: off)")
+    if not out.repetition_penalty > 0:
+        raise UsageError("--repetition-penalty must be > 0 (1: off)")
     return out

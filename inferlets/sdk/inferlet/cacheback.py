@@ -94,7 +94,7 @@ def short_draft(K):
 def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
                       temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
                       probe_after=4, probe_max=32, verify=None, start=None, drafter=None, head_len=3,
-                      head_gate=HEAD_GATE, top_k=0, min_p=0.0, logit_bias=None):
+                      head_gate=HEAD_GATE, top_k=0, min_p=0.0, logit_bias=None, penalties=None):
     """Trace the Cacheback speculative-decoding epilogue.
 
     The guest commits prompt[:-1] to the working set first, then loops a pass whose
@@ -106,6 +106,7 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     temperature <= 0 is greedy. verify(p, drafts, probs, seed) -> (accepted, tokens, count)
     replaces the rejection rule (default p.verify_sample) for sampled runs.
     start: the working set's frozen length when the loop starts (default len(prompt) - 1).
+    penalties: args.Penalties (their output_start: where the output starts in the working set).
     The tokens produced so far are counted as history length - start (every round folds
     exactly what it emits until the last), not as the length of "out": the guest takes
     (removes) cells from "out" while the loop runs.
@@ -150,7 +151,8 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
         if temperature > 0 and verify is None:
             verify = head_verify(p, drafter, drafts, from_head)
 
-    n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, verify, top_k, min_p, logit_bias)
+    n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, verify, top_k, min_p, logit_bias,
+                               penalties)
     out_len, emit, fold = emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, base)
 
     t0 = p.dyn_slice(vt, n, 1, size=1)  # the target's token: next round's t0

@@ -22,7 +22,7 @@ MATCHER = "grammar"
 
 def constrained_program(*, prompt, draft_len_max=8, ngram_min=2, ngram_max=3, eos_ids=(), max_tokens=256,
                         temperature=0.0, top_p=1.0, seed=0, lookup_window=1024, forced=(), top_k=0, min_p=0.0,
-                        logit_bias=None):
+                        logit_bias=None, penalties=None):
     """Trace the constrained speculative-decoding epilogue.
 
     The guest commits prompt[:-1] to the working set first, binds its matcher (at the grammar's
@@ -50,7 +50,7 @@ def constrained_program(*, prompt, draft_len_max=8, ngram_min=2, ngram_max=3, eo
     p.channel("forced", "i64", 1)
     logits, win = p.logits(), p.window()
     drafts = win[1:]
-    masked = p.where(p.grammar_mask(win, g), p.biased(logits, logit_bias), p.const(MASKED))
+    masked = p.where(p.grammar_mask(win, g), p.penalized(p.biased(logits, logit_bias), penalties), p.const(MASKED))
 
     n, vt, cnt = verify_window(p, drafts, masked, temperature, top_p, seed, top_k=top_k, min_p=min_p)
     out_len, emit, _ = emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, base)

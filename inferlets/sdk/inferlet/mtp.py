@@ -38,7 +38,7 @@ def mtp_prefill_program(*, drafter, draft_len=4, max_tokens=256, temperature=0.0
 
 def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temperature=0.0, top_p=1.0, seed=0,
                 adaptive=True, probe_after=4, probe_max=32, gate_rule=HEAD_GATE, top_k=0, min_p=0.0,
-                logit_bias=None):
+                logit_bias=None, penalties=None):
     """Trace the MTP round. start: the frozen length when the loop starts (len(prompt) - 1).
     Returns (json_text, channel specs {name, dtype, capacity, init}): "out", "window" (filled by the
     prefill program), and "spec_state" (the draft gate's state) when adaptive."""
@@ -53,7 +53,8 @@ def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temp
     logits, win, hidden = p.logits(), p.window(), p.hidden()
     drafts = win[1:]
     rule = head_verify(p, drafter, drafts, True) if temperature > 0 else None
-    n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, rule, top_k, min_p, logit_bias)
+    n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, rule, top_k, min_p, logit_bias,
+                               penalties)
     out_len, emit, fold = emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, int(start))
     # the head over the rows this round folds (row r with vt[r], the token after it), then its chain,
     # as long as the gate and the room left allow (a round that will not draft runs no chain)

@@ -22,13 +22,13 @@ committed token, d: the drafts) at the working set's frozen end with fold 0 and 
 every row, then `WorkingSet.commit(1 + accepted)` freezes t0 and the accepted drafts (their
 KV is already written: nothing is recomputed; rejected rows are overwritten by the next pass).
 
-- Greedy (temperature 0): the readout is the target's argmax per row; accept the longest
-  prefix of drafts equal to it, plus the target's token at the first mismatch (or after
-  the last draft). Three crossings per round: execute, commit, emit; drafting itself is
-  guest-only.
+- Greedy (temperature 0): the readout is the target's argmax per row (a host sampler's when a
+  logit bias or penalties change it); accept the longest prefix of drafts equal to it, plus the
+  target's token at the first mismatch (or after the last draft). Three crossings per round:
+  execute, commit, emit; drafting itself is guest-only.
 - Sampled (temperature > 0): the readout is the target's logits rows (expensive: a full
-  vocabulary row per window row crosses the boundary); temperature and top-p are applied
-  here in pure Python and `speculative.verify` decides, with `random.Random(seed)`, so a
+  vocabulary row per window row crosses the boundary); the bias, the penalties (row i counting
+  the drafts before it), temperature and top-p are applied here in pure Python and `speculative.verify` decides, with `random.Random(seed)`, so a
   seeded run repeats exactly.
 
 Output is cut after the first EOS and at --max-tokens exactly as plain decoding cuts it.
@@ -38,7 +38,7 @@ import math
 import random
 import struct
 
-from .api import ForwardPass, StateGeometry, emit
+from .api import ForwardPass, Sampler, StateGeometry, emit
 from .speculative import verify
 
 
@@ -68,13 +68,50 @@ def _biased(row, bias) -> list:
     return row
 
 
+class _Counts:
+    """Token counts of the context the penalties see: every token (repetition) and the output's
+    (presence, frequency: context index >= output_start)."""
+
+    def __init__(self, output_start: int):
+        self.start, self.n, self.every, self.out = output_start, 0, {}, {}
+
+    def add(self, tokens) -> None:
+        for t in tokens:
+            self.every[t] = self.every.get(t, 0) + 1
+            if self.n >= self.start:
+                self.out[t] = self.out.get(t, 0) + 1
+            self.n += 1
+
+    def plus(self, tokens) -> "_Counts":
+        c = _Counts(self.start)
+        c.n, c.every, c.out = self.n, dict(self.every), dict(self.out)
+        c.add(tokens)
+        return c
+
+
+def _penalized(row, counts: _Counts, pen) -> list:
+    """The row with the penalties applied (in float32, step by step as the host's `penalize`)."""
+    if pen is None:
+        return row
+    row = list(row)
+    r, f, pr = _f32(pen.repetition), _f32(pen.frequency), _f32(pen.presence)
+    for t in counts.every:
+        if not 0 <= t < len(row):
+            continue
+        x = row[t]
+        if r != 1:
+            x = _f32(x / r) if x > 0 else _f32(x * r)
+        c = counts.out.get(t, 0)
+        if c and f != 0:
+            x = _f32(x - _f32(f * c))
+        if c and pr != 0:
+            x = _f32(x - pr)
+        row[t] = x
+    return row
+
+
 def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _argmax(row) -> int:
-    """The first of the largest, as the host's argmax."""
-    return max(range(len(row)), key=row.__getitem__)
 
 
 def _probs(row, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> list:
@@ -109,8 +146,9 @@ class _LazyRows:
     rows past it are never softmaxed."""
 
     def __init__(self, flat, rows: int, vocab: int, temperature: float, top_p: float, top_k: int = 0,
-                 min_p: float = 0.0, bias=None):
+                 min_p: float = 0.0, bias=None, penalties=None, counts=None, drafts=()):
         self._flat, self._rows, self._vocab, self._bias = flat, rows, vocab, bias
+        self._pen, self._counts, self._drafts = penalties, counts, drafts
         self._t, self._p, self._k, self._min_p = temperature, top_p, top_k, min_p
         self._cache = {}
 
@@ -120,6 +158,8 @@ class _LazyRows:
     def __getitem__(self, i):
         if i not in self._cache:
             row = _biased(self._flat[i * self._vocab:(i + 1) * self._vocab], self._bias)
+            if self._pen is not None:  # row i sees the drafts before it
+                row = _penalized(row, self._counts.plus(self._drafts[:i]), self._pen)
             self._cache[i] = _probs(row, self._t, self._p, self._k, self._min_p)
         return self._cache[i]
 
@@ -134,9 +174,10 @@ def _split(proposal):
 def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, ws=None) -> list:
     """Speculative decoding with `proposer`; emits the output as it is committed and returns it.
 
-    args: GenerationArgs (max_tokens, temperature, top_p, seed). draft_len: most drafts per
+    args: GenerationArgs (max_tokens, the sampling rule's fields, seed). draft_len: most drafts per
     round (0: plain decoding). ws: a working set to continue (default: a new one, released
-    at the end); `prompt` goes at its frozen end.
+    at the end); `prompt` goes at its frozen end, and the output after it (the penalties'
+    output starts there).
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -150,6 +191,12 @@ def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, 
     eos = set(model.eos_ids)
     greedy = args.temperature <= 0
     rng = random.Random(args.seed)
+    held = [] if own else ws.tokens()
+    pen = args.penalties(len(held) + len(prompt))
+    counts = _Counts(len(held) + len(prompt))
+    counts.add(held + prompt)
+    # greedy under a bias or penalties: the host's sampler at temperature 0 applies them
+    chooser = Sampler(0.0, 1.0, 0, 0, 0.0, args.logit_bias, pen) if greedy and (args.logit_bias or pen) else None
     try:
         if len(prompt) > 1:
             ForwardPass(ws, prompt[:-1]).execute()  # prefill, fold all; t0 = prompt[-1] opens round one
@@ -167,22 +214,15 @@ def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, 
                 dprobs = dprobs[:len(drafts)]
             window = [t0] + drafts
             fp = ForwardPass(ws, window, StateGeometry(len(window), fold=0), readout=list(range(len(window))))
-            if greedy and args.logit_bias:  # the host's argmax knows no bias: the guest's, over biased rows
-                flat, V = fp.logits(), model.vocab_size
-                target = [_argmax(_biased(flat[i * V:(i + 1) * V], args.logit_bias)) for i in range(len(window))]
-                n = 0
-                while n < len(drafts) and drafts[n] == target[n]:
-                    n += 1
-                committed = drafts[:n] + [target[n]]
-            elif greedy:
-                target = fp.tokens()
+            if greedy:
+                target = fp.tokens(chooser)
                 n = 0
                 while n < len(drafts) and drafts[n] == target[n]:
                     n += 1
                 committed = drafts[:n] + [target[n]]
             else:
                 rows = _LazyRows(fp.logits(), len(window), model.vocab_size, args.temperature, args.top_p,
-                                 args.top_k, args.min_p, args.logit_bias)
+                                 args.top_k, args.min_p, args.logit_bias, pen, counts, drafts)
                 committed = verify(drafts, dprobs, rows, rng)
                 n = len(committed) - 1
             # cut after the first EOS and at the budget, as plain decoding stops
@@ -203,9 +243,12 @@ def generate(model, proposer: Proposer, prompt: list, args, draft_len: int = 6, 
             if stop:
                 break
             context += committed
+            counts.add(committed)
             proposer.update(committed)
             t0 = committed[-1]
     finally:
+        if chooser is not None:
+            chooser.release()
         if own:
             ws.release()
     return out

@@ -3,14 +3,16 @@ same way: verify the window, emit and fold what it commits, and the context prom
 searches for the next drafts. Pure Python (runs inside the Wasm component): only the tracer."""
 
 
-def verify_window(p, drafts, logits, temperature, top_p, seed, verify=None, top_k=0, min_p=0.0, bias=None):
+def verify_window(p, drafts, logits, temperature, top_p, seed, verify=None, top_k=0, min_p=0.0, bias=None,
+                  penalties=None):
     """n accepted drafts, vt = the committed tokens (accepted drafts, then the target's), cnt = n + 1:
     greedy (temperature <= 0) or Leviathan rejection sampling of the target as the one sampling
     rule shapes it (temperature, top-k, min-p, top-p: `p.filtered`), so the committed tokens have
     the distribution plain sampling under the same fields has.
     verify(p, drafts, probs, seed) replaces the rejection rule (default p.verify_sample).
-    bias: a logit bias {token id: value}, added first (greedy too)."""
-    logits = p.biased(logits, bias)
+    bias: a logit bias {token id: value}, added first (greedy too); then penalties (args.Penalties),
+    row i counting the drafts before it as plain decoding counts its committed tokens."""
+    logits = p.penalized(p.biased(logits, bias), penalties)
     if temperature <= 0:
         return p.verify_greedy(drafts, logits.argmax())
     x = p.filtered(logits, temperature, top_k, top_p, min_p)

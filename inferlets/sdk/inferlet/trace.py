@@ -309,6 +309,16 @@ class Program:
         return self.scatter_add(logits, self.const([int(i) for i in ids], "i64"),
                                 self.const([float(bias[i]) for i in ids], "f32"))
 
+    def penalized(self, logits, penalties=None):
+        """logits [R, V] with penalties (an args.Penalties) applied, the one sampling rule's step after
+        the bias; unchanged without any. The readout rows are the window's last R rows (every row, or
+        the last one): row r counts the history, then the window up to its row."""
+        if penalties is None or not penalties.active:
+            return logits
+        return self._op("penalize", [logits, self.history(), self.window()],
+                        {"start": int(penalties.output_start), "presence": float(penalties.presence),
+                         "frequency": float(penalties.frequency), "repetition": float(penalties.repetition)}, "f32")
+
     def concat(self, a, b, axis=0):
         return self._op("concat", [a, b], {"axis": axis}, a.dtype)
 
