@@ -151,6 +151,7 @@ class Server:
                "--max-instances", str(max_instances), "--max-queue", "0", "--default-inferlet", args.inferlet]
         if args.model:
             cmd += ["--model", args.model]
+        cmd += list(getattr(args, "extra", []))
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
 

@@ -92,6 +92,25 @@ def test_n_samples_are_the_seeded_requests_seed_plus_j(client):
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
 
 
+def test_a_prompts_samples_share_its_prefill(client, http, served):
+    """Issue 53: the n samples of a prompt were n prefills. The first sample prefills it; the
+    others start once it has emitted and take its blocks from the prefix cache, as the answer's
+    usage and /metrics say; the texts are each seed's own (test above)."""
+    block = served.service.engine.pool.page_size
+    prompt = "A list of the rivers of Europe, longest first, with a sentence about each: " * 3
+    before = _metrics(http)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, n=3, temperature=1.0, seed=2)
+    reused = (out.usage.prompt_tokens - 1) // block * block  # every full block before the last row
+    assert reused >= 32 and out.usage.prompt_tokens_details.cached_tokens == 2 * reused
+    after = _metrics(http)
+    key = (("model_name", MODEL),)
+    assert after[("pie:prefix_cache_hits_total", key)] - before.get(("pie:prefix_cache_hits_total", key), 0) \
+        == 2 * reused
+    assert after[("pie:prefix_cache_queries_total", key)] - before.get(("pie:prefix_cache_queries_total", key), 0) \
+        >= 3 * out.usage.prompt_tokens
+    served.wait_idle()
+
+
 def test_a_batch_times_n_orders_choices_prompt_by_prompt(client):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=0)
     texts = [c.text for c in out.choices]

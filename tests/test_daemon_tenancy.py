@@ -99,3 +99,18 @@ def test_upload_storage_quota_is_413(runtime, text_completion_wasm, tmp_path):
             assert err.json()["error"]["code"] == "upload_quota_exceeded" and "--max-upload-storage-mb" in err.text
     finally:
         s.stop()
+
+
+def test_a_key_finds_only_its_own_prompts_in_the_prefix_cache(served, a, b):
+    """Issue 43: the prefix cache is per key, so one tenant never reads another's rows, nor learns
+    from a faster answer that another sent the same prompt."""
+    body = {"model": "smollm2-135m", "max_tokens": 2, "temperature": 0,
+            "prompt": "The tenancy rule of the prefix cache, stated at some length for a few blocks: " * 2}
+
+    def cached(client):
+        resp = client.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached(a) == 0
+    assert cached(b) == 0  # A's blocks are not B's
+    assert cached(a) > 0 and cached(b) > 0  # each finds its own

@@ -15,6 +15,9 @@ def _add_options(p) -> None:
     p.add_argument("--model", help="store model name (default: smollm2-135m)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--prefix-caching", default="auto", choices=["auto", "on", "off"],
+                   help="reuse KV rows of earlier prompts with the same start (docs/prefix-caching.md); auto: where the engine's "
+                        "rows are exact whatever their pass (CPU float32 with the kernels)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object with text, token_ids and stats")
     p.add_argument("--logprobs", type=int, metavar="N",
                    help="with --json: each generated token's logprob and its N most likely alternatives (0..20)")
@@ -85,7 +88,8 @@ def cmd_run(args) -> int:
     from ..store import open_engine
 
     wasm = resolve_inferlet(args.inferlet)
-    engine = open_engine(args.model, device=args.device, dtype=args.dtype)
+    engine = open_engine(args.model, device=args.device, dtype=args.dtype,
+                         prefix_caching={"auto": None, "on": True, "off": False}[args.prefix_caching])
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with Runtime(engine, limits=limits) as rt:
         result = rt.run(wasm, inferlet_args, name=wasm.stem, on_text=on_text, logprobs=args.logprobs)

@@ -18,6 +18,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--model", help="store model name (default: smollm2-135m)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--prefix-caching", default="auto", choices=["auto", "on", "off"],
+                   help="reuse KV rows of earlier prompts with the same start (docs/prefix-caching.md); auto: where the engine's "
+                        "rows are exact whatever their pass (CPU float32 with the kernels)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key-file", help="bearer API keys, one a line (default: no authentication)")
@@ -63,7 +66,8 @@ def cmd_serve(args) -> int:
     limits = from_args(args)  # all checked before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pie.serve")
-    engine = open_engine(args.model, device=args.device, dtype=args.dtype)
+    engine = open_engine(args.model, device=args.device, dtype=args.dtype,
+                         prefix_caching={"auto": None, "on": True, "off": False}[args.prefix_caching])
     with Runtime(engine, limits=limits) as rt:
         service = Service(rt, config)
         log.info("serving %s with %s on http://%s:%d (%s; at most %d instances, %d waiting%s)", service.model,

@@ -1,5 +1,7 @@
 """The choices of one OpenAI request (a batch's prompts times `n`): one instance each, started in
-order as admission gives each a slot, their text merged into one stream of (index, event)."""
+order as admission gives each a slot, their text merged into one stream of (index, event).
+A prompt's further samples start once its first has emitted: its prompt's blocks are in the
+prefix cache by then, so they are prefilled once, not n times (host/engine/prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,12 @@ class Choices:
                 queue.put_nowait((i, e))
 
         async def starter() -> None:
+            first_of = {p.prompt_index: i for i, p in reversed(list(enumerate(self.plans)))}
             for i in range(1, len(self.plans)):
+                first = self.gens[first_of[self.plans[i].prompt_index]]
+                if self.service.engine.prefix is not None and first is not None and i != first_of[
+                        self.plans[i].prompt_index]:
+                    await first.began.wait()
                 try:
                     self.gens[i] = await self._start(i)
                 except APIError as e:
@@ -113,4 +120,6 @@ class Choices:
         """A prompt counted once however many samples it had, as OpenAI counts it."""
         prompt = sum(p.prompt_tokens for p in self.plans if p.sample == 0)
         completion = sum(g.completion_tokens for g in self.gens if g is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(g.cached_tokens for g in self.gens if g is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}

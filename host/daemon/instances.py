@@ -24,6 +24,12 @@ from .stops import StopCutter
 log = logging.getLogger("pie.serve")
 
 
+
+def cache_namespace(owner: str | None) -> str:
+    """Where a key's working sets find and leave prompt blocks in the prefix cache: its own (one
+    for a server without keys), so no tenant reads another's rows or times their presence."""
+    return owner or ""
+
 class Instances:
     """The running instances of one server. Each starts in a slot its request took from
     `admission` (Admission.acquire) and gives it back when its run has returned."""
@@ -69,7 +75,8 @@ class Instances:
             if self._closed:
                 raise Busy("the server is shutting down", code="shutting_down")
             handle = self.runtime.start(wasm, args, name=name, on_text=text, limits=limits,
-                                        kv_parent=self.key_quota(owner), logprobs=logprobs, on_logprobs=on_logprobs)
+                                        kv_parent=self.key_quota(owner), logprobs=logprobs, on_logprobs=on_logprobs,
+                                        namespace=cache_namespace(owner))
         except BaseException:
             self.admission.release(owner)
             raise
@@ -135,6 +142,7 @@ class Generation:
         self.limit: str | None = None  # the limit that ended the run (RunResult.limit): it finished at "length"
         self.result: RunResult | None = None  # set by the waiter thread when the run has returned
         self.ended = asyncio.Event()  # set on the event loop once the run has returned and its slot is free
+        self.began = asyncio.Event()  # set once it has emitted (its prompt is in the prefix cache) or ended
         # on_text runs on the instance's or the compute thread: it only hands the text over
         self.handle_name = inferlet.run_name
         self.handle = instances.spawn(inferlet.path, args, name=inferlet.run_name, owner=owner, arrived=arrived,
@@ -143,9 +151,13 @@ class Generation:
 
     def _post(self, item: str | list | RunResult) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._arrive, item)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
             pass
+
+    def _arrive(self, item: str | list | RunResult) -> None:
+        self._queue.put_nowait(item)
+        self.began.set()
 
     def _ended(self, result: RunResult) -> None:
         self.result = result
@@ -208,6 +220,11 @@ class Generation:
     def finish_reason(self) -> str:
         ids = self.result.token_ids
         return "stop" if not self.limit and (self.stopped or (ids and ids[-1] in self._eos)) else "length"
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens its run took from the prefix cache instead of computing them."""
+        return self.result.stats.get("cached_tokens", 0) if self.result is not None else 0
 
     @property
     def completion_tokens(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engine.loop import LoopStats
@@ -57,6 +58,10 @@ class Metrics:
         self._running.set_function(running)
         self._waiting.set_function(waiting)
 
+    def watch_prefix_cache(self, cache) -> None:
+        """Export the engine's prefix cache counters (prefix_cache.py), read at each scrape."""
+        self.registry.register(_PrefixCacheCounters(self.model, cache))
+
     def started(self, inferlet: str, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model, inferlet).inc(prompt_tokens)
 
@@ -81,3 +86,18 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCounters:
+    """vLLM's prefix cache counters, in tokens: those of the prompt passes looked up, those found."""
+
+    def __init__(self, model: str, cache):
+        self.model, self.cache = model, cache
+
+    def collect(self):
+        for name, doc, value in (
+                ("pie:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", self.cache.queries),
+                ("pie:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", self.cache.hits)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family

@@ -19,7 +19,7 @@ from ..runtime.grammars import grammars_for
 from ..runtime.runtime import Runtime
 from .admission import Admission
 from .errors import BadRequest, NotFound, UnknownModel
-from .instances import Generation, Instances
+from .instances import Generation, Instances, cache_namespace
 from .limits import ServeLimits
 from ..engine.logprobs import score_tokens
 from .logprobs import Echo, TokenTexts
@@ -58,6 +58,8 @@ class Service:
         self.metrics = Metrics(self.model)
         self.admission = Admission(config.max_instances, config.max_queue, config.max_instances_per_key)
         self.metrics.watch(lambda: self.admission.running, lambda: self.admission.waiting)
+        if self.engine.prefix is not None:
+            self.metrics.watch_prefix_cache(self.engine.prefix)
         self.instances = Instances(runtime, self.admission, self.metrics,
                                    config.limits.kv_share_per_key if config.api_keys else None)
         self.inferlets = Inferlets(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",
@@ -221,7 +223,7 @@ class Service:
                 owner, _ = await self.admit(request)
                 try:
                     scored = await asyncio.to_thread(score_tokens, self.engine, self.runtime.scheduler, ids, top,
-                                                     self.instances.key_quota(owner))
+                                                     self.instances.key_quota(owner), cache_namespace(owner))
                 finally:
                     self.admission.release(owner)
             by_prompt[plan.prompt_index] = Echo.of(p, ids, scored, self.engine.tokenizer)

@@ -23,6 +23,7 @@ from . import attention, kernels
 from .compute import on_compute_thread
 from .linear import PackedLinears
 from .pages import PagePool, Quota
+from .prefix_cache import PrefixCache
 from .readout import Readout
 from .stack import LayerStack
 from .working_set import WorkingSet
@@ -141,8 +142,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 class Engine:
     def __init__(self, model, tokenizer, *, name: str = "model", kv_pages: int = 2048, page_size: int = 16,
-                 context_len: int | None = None, heads: dict | None = None):
-        """heads: draft heads by name (host/drafter MtpHead), each given one more KV layer."""
+                 context_len: int | None = None, heads: dict | None = None, prefix_caching: bool | None = None):
+        """heads: draft heads by name (host/drafter MtpHead), each given one more KV layer.
+        prefix_caching: reuse cached prompt blocks (prefix_cache.py); None: where a row's result
+        does not depend on the rows computed beside it (see `rows_independent`)."""
         attention.register()
         self.model = model.eval()
         self.model.config._attn_implementation = attention.NAME
@@ -185,6 +188,13 @@ class Engine:
         self.heads = {n: HeadRunner(self, n, h.to(self.device, self.dtype), cfg.num_hidden_layers + i)
                       for i, (n, h) in enumerate(heads.items())}
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        # A cached row is exact only where a row's KV and logits are the same bits whatever else its
+        # pass computes: the engine's own products and the paged kernel (CPU float32). Elsewhere
+        # (SDPA, bf16 products) a prompt computed in two parts can round otherwise than in one.
+        self.rows_independent = self.attention_kernel is not None and self.stack is not None
+        if prefix_caching is None:
+            prefix_caching = self.rows_independent
+        self.prefix = PrefixCache(self.pool) if prefix_caching else None
         self._ids = itertools.count(1)
         self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
         self.model_time_s = 0.0
@@ -208,11 +218,15 @@ class Engine:
         return {n: self.heads[n].bind(ws) for n in names}
 
     # ---- working sets -------------------------------------------------------------
-    def new_working_set(self, quota: Quota | None = None, scores=None) -> WorkingSet:
+    def new_working_set(self, quota: Quota | None = None, scores=None, namespace: str = "",
+                        prefix_caching: bool = True) -> WorkingSet:
         """quota: the pages its instance may hold (PagePool.quota); None: the whole pool.
-        scores: a logprobs.RowScores to keep its rows for its run's logprobs; None: none kept."""
+        scores: a logprobs.RowScores to keep its rows for its run's logprobs; None: none kept.
+        namespace: where its blocks are cached and looked up (an API key's); prefix_caching: False
+        to neither use nor list them."""
         with self.lock:
-            return WorkingSet(next(self._ids), self.pool, quota=quota, scores=scores)
+            return WorkingSet(next(self._ids), self.pool, quota=quota, scores=scores, namespace=namespace,
+                              cacheable=prefix_caching)
 
     def fork(self, ws: WorkingSet) -> WorkingSet:
         with self.lock:
@@ -233,6 +247,8 @@ class Engine:
         with self.lock:
             ws.check_alive()
             ws.commit(n)
+            if self.prefix is not None:
+                self.prefix.publish(ws)
 
     @on_compute_thread  # it copies KV rows: torch work
     def evict(self, ws: WorkingSet, start: int, end: int) -> None:
@@ -299,11 +315,18 @@ class Engine:
         copies = []
         for i, ps in enumerate(passes):
             try:
+                if ps.ws.attached and ps.ws.id not in seen:  # attached for a pass that never ran
+                    self._detach(ps.ws)
                 self.check_pass(ps)
                 if ps.ws.id in seen:
                     raise InvalidArgument(f"working set {ps.ws.id} has two passes in one batch")
                 spare = min(ps.spare, self.info.context_len - ps.ws.frozen - ps.window)
-                copies += ps.ws.prepare_write(ps.window + max(spare, 0))
+                self._attach(ps)
+                try:
+                    copies += ps.ws.prepare_write(ps.window - ps.ws.attached + max(spare, 0))
+                except PieError:
+                    self._detach(ps.ws)
+                    raise
                 seen.add(ps.ws.id)
                 ok.append(i)
             except PieError as e:
@@ -314,26 +337,54 @@ class Engine:
             return None, ok
         return self._build([passes[i] for i in ok]), ok
 
+    def _attach(self, ps: Pass) -> None:
+        """A pass over an empty working set takes the cached pages of its window's leading blocks
+        (prefix_cache.py); every readout row, and at least the last row, is still computed."""
+        ws = ps.ws
+        if self.prefix is None or ws.frozen or ws.pages or not ws.cacheable:
+            return
+        if isinstance(ps.tokens, list):
+            tokens = ps.tokens
+        elif self.device_type == "cpu":
+            tokens = ps.tokens.tolist()
+        else:
+            return
+        self.prefix.attach(ws, tokens, min(min(ps.readout, default=ps.window), ps.window - 1))
+
+    def _detach(self, ws: WorkingSet) -> None:
+        """Undo an attach whose pass did not run: the empty working set lets its pages go."""
+        ws.cached_tokens -= ws.attached
+        self.pool.release(ws.pages)
+        ws.pages, ws.chain, ws.attached = [], [], 0
+
+    @staticmethod
+    def _computed(ps: Pass) -> tuple[int, int]:
+        """The rows of the pass the model computes (its window less the rows attached from the
+        prefix cache) and the context before them."""
+        a = ps.ws.attached
+        return ps.window - a, ps.ws.frozen + a
+
     def _build(self, passes: list[Pass]) -> Batch:
         dev = self.device
         firsts = [ps.ws.next_position for ps in passes]
         pos, slots, readout, splits = [], [], [], []
         offset = 0
         for ps, first in zip(passes, firsts):
-            w, f = ps.window, ps.ws.frozen
-            pos.extend(range(first, first + w))
+            a = ps.ws.attached
+            w, f = self._computed(ps)
+            pos.extend(range(first + a, first + a + w))
             slots.extend(ps.ws.slots(f, f + w))
-            readout.extend(offset + r for r in ps.readout)
+            readout.extend(offset + r - a for r in ps.readout)
             splits.append(len(ps.readout))
             offset += w
         n, t = len(readout), len(pos)
         if self._staging is not None and all(isinstance(ps.tokens, list) for ps in passes):
             input_ids, positions, slot_map, rows = self._staging.write(
-                [x for ps in passes for x in ps.tokens] + pos + slots + readout, t, n)
+                [x for ps in passes for x in ps.tokens[ps.ws.attached:]] + pos + slots + readout, t, n)
         else:
-            tok = [torch.tensor(ps.tokens, dtype=torch.long, device=dev) if isinstance(ps.tokens, list)
-                   else ps.tokens if ps.tokens.dtype == torch.long and ps.tokens.device == dev
-                   else ps.tokens.to(dev, torch.long) for ps in passes]
+            tok = [torch.tensor(ps.tokens[ps.ws.attached:], dtype=torch.long, device=dev) if isinstance(ps.tokens, list)
+                   else ps.tokens[ps.ws.attached:] if ps.tokens.dtype == torch.long and ps.tokens.device == dev
+                   else ps.tokens[ps.ws.attached:].to(dev, torch.long) for ps in passes]
             # Ids on the device are checked on the host after the pass (the scheduler, from the
             # readback): until then none may index outside the embedding, where CUDA would fail
             # the whole device context instead of this one pass.
@@ -344,18 +395,19 @@ class Engine:
         return Batch(passes, firsts, input_ids, positions, meta, rows, splits)
 
     def _groups(self, passes: list[Pass]) -> list[attention.Group]:
-        starts = list(itertools.accumulate((ps.window for ps in passes), initial=0))[:-1]
+        rows = [self._computed(ps) for ps in passes]  # (window, context before it)
+        starts = list(itertools.accumulate((w for w, _ in rows), initial=0))[:-1]
         if len(passes) == 1 or self.attention_kernel is not None:  # a lone pass, or the kernel's ragged batch
-            return [self._group(passes, list(range(len(passes))), starts, True)]
-        small = [i for i, ps in enumerate(passes) if ps.window <= attention.SMALL_WINDOW]
-        sets = ([small] if small else []) + [[i] for i, ps in enumerate(passes) if ps.window > attention.SMALL_WINDOW]
-        return [self._group(passes, idx, [starts[i] for i in idx], len(sets) == 1) for idx in sets]
+            return [self._group(passes, rows, list(range(len(passes))), starts, True)]
+        small = [i for i, (w, _) in enumerate(rows) if w <= attention.SMALL_WINDOW]
+        sets = ([small] if small else []) + [[i] for i, (w, _) in enumerate(rows) if w > attention.SMALL_WINDOW]
+        return [self._group(passes, rows, idx, [starts[i] for i in idx], len(sets) == 1) for idx in sets]
 
-    def _group(self, passes: list[Pass], idx: list[int], starts: list[int], whole: bool) -> attention.Group:
-        ends = [passes[i].ws.frozen + passes[i].window for i in idx]  # each pass's context length
-        return attention.make_group(self.device, starts, [passes[i].window for i in idx],
-                                    [passes[i].ws.frozen for i in idx], ends, [passes[i].ws for i in idx], whole,
-                                    self.attention_kernel is not None)
+    def _group(self, passes: list[Pass], rows: list[tuple[int, int]], idx: list[int], starts: list[int],
+               whole: bool) -> attention.Group:
+        ends = [rows[i][1] + rows[i][0] for i in idx]  # each pass's context length
+        return attention.make_group(self.device, starts, [rows[i][0] for i in idx], [rows[i][1] for i in idx], ends,
+                                    [passes[i].ws for i in idx], whole, self.attention_kernel is not None)
 
     def run(self, batch: Batch) -> list[PassOutput]:
         if not torch.is_inference_mode_enabled():  # the scheduler's steps run in it already
@@ -411,6 +463,8 @@ class Engine:
 
     def apply_fold(self, ps: Pass, first_position: int, fold: int, tokens: list[int]) -> None:
         ps.ws.apply_fold(tokens, fold, first_position)
+        if self.prefix is not None:
+            self.prefix.publish(ps.ws)
 
     def apply_known_fold(self, ps: Pass, first_position: int) -> None:
         """Apply the fold of a pass whose fold was given up front."""

@@ -102,12 +102,14 @@ def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
 SCORE_ROWS = 256  # rows per pass when scoring a sequence: a pass's logits are rows x vocabulary floats
 
 
-def score_tokens(engine, scheduler, ids: list[int], top: int, quota=None) -> list[TokenLogprob | None]:
+def score_tokens(engine, scheduler, ids: list[int], top: int, quota=None,
+                 namespace: str = "") -> list[TokenLogprob | None]:
     """The logprob of each of `ids` given the ids before it (None for the first, which nothing
     predicts): the prompt logprobs of `echo`. Passes of SCORE_ROWS rows through `scheduler` (batched
     with every other run's), each row read out; rows are computed alone, so the values are those a
     run's own passes over the same ids give. Call it off the compute thread; its working set's
-    pages (counted against `quota`) are freed before it returns."""
+    pages (counted against `quota`) are freed before it returns; its blocks stay in the prefix cache
+    under `namespace`, for the completion after it."""
     from .engine import Fold, Pass
     from .compute import compute
 
@@ -115,7 +117,7 @@ def score_tokens(engine, scheduler, ids: list[int], top: int, quota=None) -> lis
     if not 0 <= top <= MAX_TOP:
         raise InvalidArgument(f"top logprobs {top} outside 0..{MAX_TOP}")
     out: list[TokenLogprob | None] = [None]
-    ws = engine.new_working_set(quota)
+    ws = engine.new_working_set(quota, namespace=namespace)
     try:
         for a in range(0, len(ids) - 1, SCORE_ROWS):
             window = ids[a:a + SCORE_ROWS]

@@ -7,6 +7,7 @@ slots rows go to and which pages must be copied; the engine moves the tensors.
 from __future__ import annotations
 
 import heapq
+from typing import Callable
 
 from ..errors import PoolExhausted, QuotaExhausted
 
@@ -14,7 +15,8 @@ from ..errors import PoolExhausted, QuotaExhausted
 class Quota:
     """A share of the pool: the working sets that carry it (one instance's) may hold at most
     `limit` pages at once, so one instance cannot starve the others. A page counts against
-    the quota of the set that allocated it until it is freed; sharing it (a fork) is free.
+    the quota of the set that allocated it until it is freed or only the prefix cache holds it;
+    sharing it (a fork, an attach of a cached page someone holds) is free.
     Quotas nest: a page counts against its quota and every `parent` above it (an instance's
     quota inside its API key's), and an allocation must fit all of them."""
 
@@ -43,14 +45,19 @@ class PagePool:
         # a heap: the lowest free ids go out first, so a sequence's pages tend to be one run of
         # slots, which attention reads as a view instead of a gather
         self._free = list(range(num_pages))
+        self.cached: set[int] = set()  # pages the prefix cache holds a reference to
+        self._idle: set[int] = set()  # of those, the ones nothing else holds: free for the taking
+        self.reclaim: Callable[[int], int] | None = None  # frees up to n cached pages (prefix_cache.py)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can have: free ones and those only the prefix cache holds."""
+        return len(self._free) + len(self._idle)
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages working sets hold."""
+        return self.num_pages - self.free_pages
 
     def quota(self, share: float, parent: Quota | None = None, **named) -> Quota:
         """A quota of `share` of the pool's pages (at least one), counted against `parent` too."""
@@ -63,6 +70,8 @@ class PagePool:
                     f"KV page quota exhausted: need {n} more pages of {self.page_size} rows, {q.used} of {q.whose} "
                     f"quota of {q.limit} pages (of {self.num_pages} in the pool) are in use; release "
                     f"working sets or raise the quota ({q.flag})")
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
         if n > len(self._free):
             raise PoolExhausted(
                 f"KV pool exhausted: need {n} more pages of {self.page_size} rows, {len(self._free)} free "
@@ -79,15 +88,36 @@ class PagePool:
     def retain(self, pages: list[int]) -> None:
         for p in pages:
             self._refs[p] += 1
+            self._idle.discard(p)
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 heapq.heappush(self._free, p)
-                quota, self._quota[p] = self._quota[p], None
-                for q in quota.chain() if quota is not None else ():
-                    q.used -= 1
+                self._idle.discard(p)
+                self._uncharge(p)
+            elif self._refs[p] == 1 and p in self.cached:  # only the cache holds it: nobody's quota
+                self._idle.add(p)
+                self._uncharge(p)
+
+    def _uncharge(self, p: int) -> None:
+        quota, self._quota[p] = self._quota[p], None
+        for q in quota.chain() if quota is not None else ():
+            q.used -= 1
+
+    def adopt(self, page: int, quota: Quota | None) -> bool:
+        """Take a reference to a cached page for a working set carrying `quota`: a page only the
+        cache holds is charged to the quota, if it has room (else False, nothing taken)."""
+        if self._refs[page] == 1 and quota is not None:
+            if any(q.used + 1 > q.limit for q in quota.chain()):
+                return False
+            self._quota[page] = quota
+            for q in quota.chain():
+                q.used += 1
+        self._refs[page] += 1
+        self._idle.discard(page)
+        return True
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

@@ -25,6 +25,14 @@ class WorkingSet:
     released: bool = False
     quota: Quota | None = None  # the owning instance's share of the pool; its forks carry it too
     scores: object | None = None  # logprobs.RowScores when its instance reports logprobs; forks copy it
+    # prefix caching (prefix_cache.py): the namespace its blocks are hashed in, the hashes of its
+    # frozen blocks listed so far, whether it may list more (not once rows were evicted: positions
+    # moved), the rows a pass attached from the cache (its window's first rows, not computed)
+    namespace: str = ""
+    chain: list[bytes] = field(default_factory=list)
+    cacheable: bool = True
+    attached: int = 0
+    cached_tokens: int = 0  # rows it was given from the cache, in all
 
     @property
     def frozen(self) -> int:
@@ -63,8 +71,9 @@ class WorkingSet:
         """Make rows frozen..frozen+window writable: allocate pages, copy shared ones.
 
         Returns (src_page, dst_page) copies. Nothing changes if the pool cannot supply the pages.
+        Rows a pass attached from the prefix cache are in place already: writing starts after them.
         """
-        start = self.frozen
+        start = self.frozen + self.attached
         first, need = start // self.pool.page_size, self._pages_for(start + window)
         shared = [i for i in range(first, min(need, len(self.pages))) if self.pool.refcount(self.pages[i]) > 1]
         if not shared and need <= len(self.pages):  # a decode step inside its last page: nothing to do
@@ -86,6 +95,7 @@ class WorkingSet:
         self.tokens.extend(window_tokens[:fold])
         self.positions.extend(range(first_position, first_position + fold))
         self.scratch = list(window_tokens[fold:])
+        self.attached = 0
 
     def commit(self, n: int) -> None:
         """Freeze the first n scratch rows the last pass left: a fold decided after the pass
@@ -101,7 +111,8 @@ class WorkingSet:
         keep = self.pages[: self._pages_for(self.frozen)]
         self.pool.retain(keep)
         return WorkingSet(new_id, self.pool, list(keep), list(self.tokens), list(self.positions), quota=self.quota,
-                          scores=self.scores.fork() if self.scores is not None else None)
+                          scores=self.scores.fork() if self.scores is not None else None, namespace=self.namespace,
+                          chain=list(self.chain), cacheable=self.cacheable)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.frozen:
@@ -110,6 +121,8 @@ class WorkingSet:
         del self.positions[n:]
         self.scratch = []
         self.edits += 1
+        del self.chain[n // self.pool.page_size:]
+        self.attached = 0
         keep = self._pages_for(n)
         self.pool.release(self.pages[keep:])
         del self.pages[keep:]
@@ -132,11 +145,13 @@ class WorkingSet:
         del self.positions[start:end]
         self.scratch = []
         self.edits += 1
+        self.cacheable = False  # later rows keep their positions: its blocks are no prefix any more
         return copies
 
     def release(self) -> None:
         if not self.released:
             self.pool.release(self.pages)
             self.pages = []
+            self.attached = 0
             self.scores = None
             self.released = True

@@ -207,16 +207,20 @@ class Runtime:
     def start(self, wasm: bytes | str | Path, args: list[str] = (), *, name: str | None = None,
               on_text: Callable[[str], None] | None = None, limits: Limits | None = None,
               kv_parent: Quota | None = None, logprobs: int | None = None,
-              on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> RunHandle:
+              on_logprobs: Callable[[list[TokenLogprob]], None] | None = None, namespace: str = "",
+              prefix_caching: bool = True) -> RunHandle:
         """Run an inferlet in its own thread; load errors also arrive as a failed RunResult.
         kv_parent: a quota the instance's own KV quota counts against too (pie serve: its key's).
         logprobs: report each emitted token's logprob with this many top alternatives (0..20;
-        None: none); on_logprobs gets each emission's, before its text reaches on_text."""
+        None: none); on_logprobs gets each emission's, before its text reaches on_text.
+        namespace: where its working sets' blocks are cached and found (pie serve: its API key's);
+        prefix_caching: False to neither reuse nor list them (the engine's own setting comes first)."""
         name = name or (Path(wasm).stem if isinstance(wasm, (str, Path)) else "inferlet")
         limits = limits or self.limits
         host = InstanceHost(self.engine, self.scheduler, list(args), limits.cpu_time_s, self.epoch_tick_s, on_text,
                             kv_quota=self.engine.pool.quota(limits.kv_share, kv_parent), limits=limits,
-                            logprobs=logprobs, on_logprobs=on_logprobs)
+                            logprobs=logprobs, on_logprobs=on_logprobs, namespace=namespace,
+                            prefix_caching=prefix_caching)
         handle = RunHandle()
         handle._cancel = host.cancel
         handle.draft_stats = host.draft_stats
@@ -335,6 +339,8 @@ class Runtime:
             # "stop": the output ends with an end-of-sequence token; "length": it was cut short (OpenAI's names)
             "finish": "stop" if host.token_ids and host.token_ids[-1] in host.engine.info.eos_ids else "length",
             "guest_calls": host.guest_calls,
+            # prompt rows taken from the prefix cache instead of computed (OpenAI's cached_tokens)
+            "cached_tokens": sum(ws.cached_tokens for ws in host.working_sets),
             "wall_s": round(wall, 4),
             "tokens_per_s": round(generated / wall, 3) if wall > 0 else 0.0,
         }

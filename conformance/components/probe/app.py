@@ -148,6 +148,7 @@ CALLS = {
     "channels.close": (_ch.close, (P,)),
     "channels.release": (_ch.release, (P,)),
     "forward.create-sampler": (_fw.create_sampler, (_f32, _f32, P)),
+    "working-sets.create-uncached": (_ws.create_uncached, ()),
     "forward.create-filtered-sampler": (_fw.create_filtered_sampler, (_f32, _f32, P, _f32, _bias, P)),
     "forward.create-penalized-sampler": (_fw.create_penalized_sampler, (_f32, _f32, P, _f32, _bias, _penalties, P)),
     "forward.release-sampler": (_fw.release_sampler, (P,)),

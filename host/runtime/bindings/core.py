@@ -50,8 +50,11 @@ class Instance(Output):
     def __init__(self, engine: Engine, scheduler, args: list[str], cpu_time_s: float, epoch_tick_s: float,
                  on_text: Callable[[str], None] | None = None, kv_quota: Quota | None = None,
                  limits: Limits | None = None, logprobs: int | None = None,
-                 on_logprobs: Callable[[list], None] | None = None):
+                 on_logprobs: Callable[[list], None] | None = None, namespace: str = "",
+                 prefix_caching: bool = True):
         self.engine = engine
+        self.namespace, self.prefix_caching = namespace, prefix_caching  # its working sets' (prefix_cache.py)
+        self.working_sets: list = []  # every one it made, for its stats
         self.limits = limits or Limits()
         self.cells = 0  # of the live channels
         self.scheduler = scheduler
@@ -82,6 +85,14 @@ class Instance(Output):
         self._next_handle += 1
         self.handles[h] = obj
         return h
+
+    def new_working_set(self, cached: bool = True):
+        """A working set of this instance: its KV quota, logprobs and prefix-cache namespace
+        (cached False: outside the prefix cache)."""
+        ws = self.engine.new_working_set(self.kv_quota, self.new_scores(), self.namespace,
+                                         self.prefix_caching and cached)
+        self.working_sets.append(ws)
+        return ws
 
     def _new(self, make: Callable[[], object]) -> int:
         """A handle for make()'s object, made only if the handle budget has room."""

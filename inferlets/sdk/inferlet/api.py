@@ -89,8 +89,9 @@ class Model:
             msgs.append(_tok.Message(role, content))
         return _call(_tok.apply_chat_template, msgs, add_generation_prompt)
 
-    def working_set(self) -> "WorkingSet":
-        return WorkingSet(_call(_ws.create))
+    def working_set(self, cached: bool = True) -> "WorkingSet":
+        """A new, empty working set; cached=False keeps it outside the host's prefix cache."""
+        return WorkingSet(_call(_ws.create if cached else _ws.create_uncached))
 
     def register_epilogue(self, program: str, channels: dict = None) -> "Epilogue":
         """Register a traced epilogue program (JSON text); `channels` maps its channel names to Channels."""
