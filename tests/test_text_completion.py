@@ -179,4 +179,6 @@ def test_pie_run_json(hf_greedy, text_completion_wasm):
     assert out["inferlet"] == "text-completion" and out["model"] == "smollm2-135m"
     assert out["token_ids"] == hf_greedy(0, 8)
     assert set(out["stats"]) == {"passes", "generated_tokens", "drafted_tokens", "accepted_tokens", "acceptance_by_position",
-                                 "mean_accepted_per_pass", "finish", "guest_calls", "wall_s", "tokens_per_s"}
+                                 "mean_accepted_per_pass", "finish", "guest_calls", "cached_tokens", "wall_s",
+                                 "tokens_per_s"}
+    assert out["stats"]["cached_tokens"] == 0  # a fresh process: nothing cached yet
