@@ -14,6 +14,7 @@ from ..engine.pages import Quota
 from ..runtime.detok import Detokenizer
 from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult, Runtime
+from . import memory
 from .admission import Admission
 from .errors import Busy, from_instance_error
 from .metrics import Metrics
@@ -93,6 +94,7 @@ class Instances:
             self.admission.release(owner)
             self.metrics.ended(label or name, result, handle.draft_stats, timing.first, time.perf_counter() - arrived)
             on_result(result)
+            memory.trim()
         threading.Thread(target=wait, name="pie-serve-wait", daemon=True).start()
         return handle
 
