@@ -36,15 +36,17 @@ def big(tiny):
     return Engine(eng.model, eng.tokenizer, name="tiny-big", kv_pages=16384, page_size=4), ref
 
 
-def start(sched, eng, prompt, seed=0, **kw):
+def start(sched, eng, prompt, seed=0, namespace=None, **kw):
+    """namespace: bind the engine's suffix index of that namespace (as the runtime does), else none."""
     text, chans = spec.cacheback_program(prompt=prompt, **kw)
-    ws = eng.new_working_set()
+    ws = eng.new_working_set(namespace=namespace or "")
     if len(prompt) > 1:
         eng.forward([Pass(ws, prompt[:-1], [0])])
     channels = {c["name"]: chan(c["capacity"], c["init"]) for c in chans}
     folds = []
     loop = DeviceLoop(ws, compile_program(text), channels, channels["window"],
                       max_window=channels["window"].buf.shape[0], rounds=1000, seed=seed,
+                      suffix=eng.suffix_source(ws) if namespace is not None else None,
                       on_round=lambda lp, w, f, cost: folds.append((w, f)))
     return loop, channels, folds, sched.start_loop(loop)
 
@@ -251,11 +253,11 @@ def exact_pairs(ref, prompt, **filters):
             if q > 0}
 
 
-def sample_pairs(eng, verify=None, **filters):
+def sample_pairs(eng, verify=None, prompt=DIST_PROMPT, **filters):
     sched = Scheduler(eng)
     try:
         # max_tokens=3 lets the first window carry 2 drafts: both compared tokens go through the rule.
-        runs = [start(sched, eng, DIST_PROMPT, seed=s, max_tokens=3, draft_len_max=3, lookup_window=16,
+        runs = [start(sched, eng, prompt, seed=s, max_tokens=3, draft_len_max=3, lookup_window=16,
                       temperature=T, top_p=TOP_P, verify=verify, **filters) for s in range(RUNS)]
         stats = [fut.result(timeout=120) for _, _, _, fut in runs]
     finally:
@@ -299,6 +301,68 @@ def test_sampled_output_has_the_target_distribution(big):
     assert chi_square_p(pairs, exact) > 0.001
     # The same test catches a rule that skips the p/q test.
     bad, _ = sample_pairs(eng, verify=accept_every_draft)
+    assert chi_square_p(bad, exact) < 1e-6
+
+
+# --- drafts from earlier requests (the suffix index, issue 43) -----------------------------
+
+def test_suffix_drafts_from_earlier_requests_are_exact_and_namespaced(big):
+    eng, _ = big
+    want = plain_greedy(eng, PLAIN, 40)  # its release lists prompt + output in namespace ""
+    kw = dict(max_tokens=40, draft_len_max=4, lookup_window=16, lru_size=0, ngram_min=2)
+    got, base, _, _ = run(eng, PLAIN, namespace=None, **kw)  # no index bound: own-context drafts only
+    assert got == want
+    got, stats, _, _ = run(eng, PLAIN, namespace="", **kw)
+    assert got == want and stats.accepted >= base.accepted + 8 and stats.rounds < base.rounds
+    got, other, _, _ = run(eng, PLAIN, namespace="other", **kw)  # another namespace's index: empty
+    assert got == want and (other.drafted, other.accepted, other.rounds) == (base.drafted, base.accepted, base.rounds)
+    # an earlier text that went otherwise after the first token: its drafts are rejected
+    ws = eng.new_working_set(namespace="wrong")
+    eng.forward([Pass(ws, PLAIN + want[:1] + [t + 1 for t in want[1:]], [0])])
+    eng.release(ws)
+    got, stats, _, _ = run(eng, PLAIN, namespace="wrong", **kw)
+    assert got == want and stats.drafted > base.drafted and stats.accepted <= base.accepted
+    # a working set created uncached neither lists its text nor drafts from the index
+    ws = eng.new_working_set(namespace="quiet", prefix_caching=False)
+    eng.forward([Pass(ws, PLAIN + want, [0])])
+    assert eng.suffix_source(ws) is None
+    eng.release(ws)
+    assert eng.suffix.index("quiet").tokens == 0
+
+
+def test_sampled_output_with_suffix_drafts_has_the_target_distribution(big):
+    """The second token of each run is verified against a draft from the index: the argmax
+    continuation after half of the possible first tokens, the runner-up after the others."""
+    eng, ref = big
+    prompt = PLAIN
+    exact = exact_pairs(ref, prompt)
+    with torch.inference_mode():
+        logits = ref(torch.tensor([prompt + [x] for x in sorted({a for a, _ in exact})])).logits[:, -1]
+    for i, (a, row) in enumerate(zip(sorted({a for a, _ in exact}), logits)):
+        ws = eng.new_working_set()
+        eng.forward([Pass(ws, prompt + [a, int(row.topk(2).indices[i % 2])], [0])])
+        eng.release(ws)
+
+    def pairs_of(verify=None):
+        sched = Scheduler(eng)
+        try:
+            runs = [start(sched, eng, prompt, seed=s, namespace="", max_tokens=3, draft_len_max=3, lookup_window=16,
+                          ngram_min=2, lru_size=0, temperature=T, top_p=TOP_P, verify=verify) for s in range(RUNS)]
+            stats = [fut.result(timeout=120) for _, _, _, fut in runs]
+        finally:
+            sched.close()
+        for loop, *_ in runs:
+            loop.ws.indexed = False  # the runs' own texts stay out of the index
+            eng.release(loop.ws)
+        return [tuple(cells(ch["out"])[:2]) for _, ch, _, _ in runs], stats
+
+    listed = eng.suffix.tokens
+    pairs, stats = pairs_of()
+    assert eng.suffix.tokens == listed
+    accepted = sum(s.accepted for s in stats)
+    assert 0 < accepted < sum(s.drafted for s in stats)
+    assert chi_square_p(pairs, exact) > 0.001
+    bad, _ = pairs_of(accept_every_draft)
     assert chi_square_p(bad, exact) < 1e-6
 
 

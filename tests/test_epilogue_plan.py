@@ -206,6 +206,13 @@ def _variant_cases():
         p.set("s", s)
         return p
 
+    def suffix():  # no index is bound here: test_suffix_index runs both paths over one
+        p = Program()
+        p.channel("out", "i64", 8)
+        toks, cnt, _ = p.suffix_draft(p.history(), p.const(6), 3)
+        p.put("out", toks, cnt)
+        return p
+
     def where():
         p = Program(window=3)
         p.channel("out", "i64", 8)
@@ -252,7 +259,8 @@ def _variant_cases():
         ("dyn_slice", 2, False, lambda: dyn_slice(True)),
         ("pack", 0, True, lambda: pack(False)), ("pack", 1, False, lambda: pack(False)),
         ("pack", 2, False, lambda: pack(True)),
-        ("lru_update", 0, True, lru), ("where", 0, True, where), ("cast", 0, True, cast)]
+        ("lru_update", 0, True, lru), ("suffix_draft", 0, True, suffix), ("where", 0, True, where),
+        ("cast", 0, True, cast)]
 
 
 CASES = _variant_cases()

@@ -93,6 +93,22 @@ def test_cacheback_greedy_equals_plain_decoding_on_every_dev_prompt(greedy_runs)
     assert sum(r.stats["passes"] for r in got) < sum(r.stats["passes"] for r in refs)
 
 
+def test_cacheback_drafts_from_earlier_requests_of_its_namespace(runtime, text_completion_wasm, cacheback_wasm):
+    """Issue 43: text-completion's run lists its prompt and output in namespace "n1" when it ends;
+    cacheback in "n1" then drafts from them, in "n2" (or with --suffix-draft 0) it cannot; the
+    tokens are the same."""
+    prompt = dev_prompts()[12]["prompt"]
+    ref = runtime.run(text_completion_wasm, _args(prompt, 64), namespace="n1")
+    runs = {(ns, flag): runtime.run(cacheback_wasm, _args(prompt, 64, "--suffix-draft", flag), namespace=ns)
+            for ns, flag in (("n1", "1"), ("n2", "1"), ("n1", "0"))}
+    for r in [ref, *runs.values()]:
+        assert r.ok, r.error
+        assert r.token_ids == ref.token_ids
+    near, far, off = (runs[k].stats for k in (("n1", "1"), ("n2", "1"), ("n1", "0")))
+    assert (far["passes"], far["drafted_tokens"]) == (off["passes"], off["drafted_tokens"])
+    assert near["accepted_tokens"] > off["accepted_tokens"] + 16 and near["passes"] < off["passes"]
+
+
 @pytest.mark.parametrize("name", ["mtp", "hybrid"])
 def test_mtp_and_hybrid_greedy_equal_plain_decoding_on_every_dev_prompt(greedy_runs, name):
     refs, got = greedy_runs["text-completion"], greedy_runs[name]

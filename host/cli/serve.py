@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from ..daemon import limits as serve_limits
+from ..engine.suffix_index import SUFFIX_TOKENS
 from ..runtime.limits import add_flags, from_args
 
 
@@ -21,6 +22,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--prefix-caching", default="auto", choices=["auto", "on", "off"],
                    help="reuse KV rows of earlier prompts with the same start (docs/prefix-caching.md); auto: where the engine's "
                         "rows are exact whatever their pass (CPU float32 with the kernels)")
+    p.add_argument("--suffix-index-tokens", type=int, default=SUFFIX_TOKENS, metavar="N",
+                   help="tokens of earlier requests' prompts and outputs kept for cross-request drafts, each API key's "
+                        f"apart (cacheback-speculative-decoding; docs/prefix-caching.md; default {SUFFIX_TOKENS} over all keys; 0: off)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key-file", help="bearer API keys, one a line (default: no authentication)")
@@ -53,6 +57,8 @@ def cmd_serve(args) -> int:
 
     if args.max_instances < 1:
         raise InvalidArgument("--max-instances must be at least 1")
+    if args.suffix_index_tokens < 0:
+        raise InvalidArgument("--suffix-index-tokens must be at least 0")
     if args.max_queue < 0:
         raise InvalidArgument("--max-queue must be at least 0")
     if args.max_instances_per_key is not None and args.max_instances_per_key < 1:
@@ -67,7 +73,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pie.serve")
     engine = open_engine(args.model, device=args.device, dtype=args.dtype,
-                         prefix_caching={"auto": None, "on": True, "off": False}[args.prefix_caching])
+                         prefix_caching={"auto": None, "on": True, "off": False}[args.prefix_caching],
+                         suffix_tokens=args.suffix_index_tokens)
     with Runtime(engine, limits=limits) as rt:
         service = Service(rt, config)
         log.info("serving %s with %s on http://%s:%d (%s; at most %d instances, %d waiting%s)", service.model,

@@ -26,6 +26,7 @@ from .pages import PagePool, Quota
 from .prefix_cache import PrefixCache
 from .readout import Readout
 from .stack import LayerStack
+from .suffix_index import SUFFIX_TOKENS, SuffixStore
 from .working_set import WorkingSet
 
 
@@ -142,10 +143,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 class Engine:
     def __init__(self, model, tokenizer, *, name: str = "model", kv_pages: int = 2048, page_size: int = 16,
-                 context_len: int | None = None, heads: dict | None = None, prefix_caching: bool | None = None):
+                 context_len: int | None = None, heads: dict | None = None, prefix_caching: bool | None = None,
+                 suffix_tokens: int = SUFFIX_TOKENS):
         """heads: draft heads by name (host/drafter MtpHead), each given one more KV layer.
         prefix_caching: reuse cached prompt blocks (prefix_cache.py); None: where a row's result
-        does not depend on the rows computed beside it (see `rows_independent`)."""
+        does not depend on the rows computed beside it (see `rows_independent`).
+        suffix_tokens: the tokens the suffix index of released texts holds (suffix_index.py), over
+        every namespace; 0: none kept (suffix_draft drafts nothing)."""
         attention.register()
         self.model = model.eval()
         self.model.config._attn_implementation = attention.NAME
@@ -195,6 +199,7 @@ class Engine:
         if prefix_caching is None:
             prefix_caching = self.rows_independent
         self.prefix = PrefixCache(self.pool) if prefix_caching else None
+        self.suffix = SuffixStore(suffix_tokens) if suffix_tokens > 0 else None
         self._ids = itertools.count(1)
         self.lock = threading.RLock()  # bookkeeping is shared by every inferlet thread
         self.model_time_s = 0.0
@@ -222,11 +227,16 @@ class Engine:
                         prefix_caching: bool = True) -> WorkingSet:
         """quota: the pages its instance may hold (PagePool.quota); None: the whole pool.
         scores: a logprobs.RowScores to keep its rows for its run's logprobs; None: none kept.
-        namespace: where its blocks are cached and looked up (an API key's); prefix_caching: False
-        to neither use nor list them."""
+        namespace: where its blocks are cached and looked up, and its text indexed for drafts (an
+        API key's); prefix_caching: False to neither use nor list them, nor draft from nor join
+        the suffix index."""
         with self.lock:
             return WorkingSet(next(self._ids), self.pool, quota=quota, scores=scores, namespace=namespace,
-                              cacheable=prefix_caching)
+                              cacheable=prefix_caching, indexed=prefix_caching)
+
+    def suffix_source(self, ws: WorkingSet):
+        """The suffix index a pass over `ws` drafts from (Env.suffix), or None."""
+        return self.suffix.index(ws.namespace) if self.suffix is not None and ws.indexed else None
 
     def fork(self, ws: WorkingSet) -> WorkingSet:
         with self.lock:
@@ -234,8 +244,13 @@ class Engine:
             return ws.fork(next(self._ids))
 
     def release(self, ws: WorkingSet) -> None:
+        """Free its pages; its text joins its namespace's suffix index (outside the engine's lock:
+        listing a long text takes milliseconds)."""
         with self.lock:
+            text = ws.tokens if self.suffix is not None and ws.indexed and not ws.released else None
             ws.release()
+        if text:
+            self.suffix.index(ws.namespace).insert(text)
 
     def truncate(self, ws: WorkingSet, n: int) -> None:
         with self.lock:

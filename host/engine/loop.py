@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..epilogue import DeviceChannel, DraftBinding, Env, GrammarMatcher, CompiledProgram, Result, host_readable
+from ..epilogue import DeviceChannel, DraftBinding, Env, GrammarMatcher, CompiledProgram, Result, SuffixSource, host_readable
 from ..errors import InvalidArgument, detached, unexpected
 from .engine import Fold, Pass, PassOutput, check_shape
 from .working_set import WorkingSet
@@ -111,6 +111,7 @@ class DeviceLoop:
     hidden: bool = False
     matchers: dict[str, GrammarMatcher] = field(default_factory=dict)  # name in the program -> matcher
     drafters: dict[str, DraftBinding] = field(default_factory=dict)  # name in the program -> head bound to ws
+    suffix: SuffixSource | None = None  # ws's namespace's suffix index, for suffix_draft
     spare: int = field(init=False)  # rows past the window each pass prepares (CompiledProgram.spare: a draft head's chain)
     logits: bool = field(init=False)  # False: the program reads no logits, and the pass computes none
     round: int = 0
@@ -199,7 +200,7 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
                 window, window_len = None, ps.window
         logits = out.logits.numpy() if host and out.logits is not None else out.logits
         envs[i] = Env(logits=logits, vocab=vocab, window=window, history=hist, hidden=out.hidden, channels=loop.channels,
-                      matchers=loop.matchers, drafters=loop.drafters, seed=loop.seed, round=loop.round, window_len=window_len, position=first)
+                      matchers=loop.matchers, drafters=loop.drafters, suffix=loop.suffix, seed=loop.seed, round=loop.round, window_len=window_len, position=first)
         key = (id(loop.program), len(ps.readout), ps.window, None if hist is None else hist.shape[0],
                out.hidden is None)
         groups.setdefault(key, []).append(i)

@@ -33,6 +33,7 @@ class WorkingSet:
     cacheable: bool = True
     attached: int = 0
     cached_tokens: int = 0  # rows it was given from the cache, in all
+    indexed: bool = True  # it drafts from its namespace's suffix index and its text joins it when released
 
     @property
     def frozen(self) -> int:
@@ -112,7 +113,7 @@ class WorkingSet:
         self.pool.retain(keep)
         return WorkingSet(new_id, self.pool, list(keep), list(self.tokens), list(self.positions), quota=self.quota,
                           scores=self.scores.fork() if self.scores is not None else None, namespace=self.namespace,
-                          chain=list(self.chain), cacheable=self.cacheable)
+                          chain=list(self.chain), cacheable=self.cacheable, indexed=self.indexed)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.frozen:

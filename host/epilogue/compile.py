@@ -70,6 +70,7 @@ class CompiledProgram:
         # drafts writes k - 1 rows past the rows the round commits (ops/drafter.py)
         self.spare = max((op.attrs["k"] - 1 for op in checked.ops if "drafter" in op.attrs and "k" in op.attrs), default=0)
         self.has_stop = "stop" in names
+        self.uses_suffix = "suffix_draft" in names  # a pass running it is bound its namespace's suffix index
         self.writes = [o.attrs["channel"] for o in checked.ops if o.name in ("put", "set")]
         self.reads = sorted({i.channel for i in checked.inputs if i.channel})
         self._bound = sorted(set(self.reads) | set(self.writes))  # channels an env must bind

@@ -90,6 +90,16 @@ class DraftBinding(Protocol):
     state: object
 
 
+class SuffixSource(Protocol):
+    """The suffix index of a pass's namespace (the engine's SuffixIndex), for `suffix_draft`; the
+    executor never imports it. Its lookups run on the host."""
+
+    def draft(self, context: list[int], k: int, *, max_match: int, factor: float, min_prob: float,
+              min_match: int):
+        """An object with `tokens` (at most k drafts for what follows context) and `score` (their
+        expected accepted tokens by the index's counts)."""
+
+
 @dataclass
 class SimpleChannel:
     """The minimal DeviceChannel: a buffer and a length (stand-alone executor use, tests)."""
@@ -140,6 +150,7 @@ class Env:
     channels: Mapping[str, DeviceChannel] = field(default_factory=dict)
     matchers: Mapping[str, GrammarMatcher] = field(default_factory=dict)
     drafters: Mapping[str, DraftBinding] = field(default_factory=dict)
+    suffix: SuffixSource | None = None  # the namespace's suffix index; None: suffix_draft drafts nothing
     seed: int = 0
     round: int = 0
     window_len: int | None = None

@@ -69,6 +69,7 @@ class Ctx:
     values: list[Value]
     matchers: list = None  # per pass: name -> GrammarMatcher (env.py), for the grammar ops
     drafters: list = None  # per pass: name -> DraftBinding (env.py), for the drafter ops
+    suffixes: list = None  # per pass: its SuffixSource (env.py) or None, for suffix_draft
 
     def shape(self, v: Value) -> list[int]:
         return [d.resolve(self.bind) for d in v.shape]

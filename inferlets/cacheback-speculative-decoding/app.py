@@ -1,5 +1,8 @@
 """cacheback-speculative-decoding: prompt-lookup speculative decoding entirely on the device.
 
+Where the context offers no match, the drafts come from the texts of earlier requests in the
+same namespace (the host's suffix index; --suffix-draft 0 turns that off).
+
 With --drafter NAME (an MTP head attached to the model), the hybrid: prompt lookup drafts where
 the context offers a match, the head drafts otherwise, in the same one device program.
 
@@ -20,7 +23,7 @@ from inferlet.world import generation_world
 # The lookup window covers most chat contexts whole (the LRU table holds what leaves it); the
 # lookup is one vectorised pass whatever its length (a byte search on the CPU).
 EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (2, int), "--drafter": ("", str),
-         "--head-len": (3, int)}
+         "--head-len": (3, int), "--suffix-draft": (1, int)}
 LOOKUP_WINDOW = 1024
 
 
@@ -41,7 +44,8 @@ def generate(args) -> None:
             prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed,
             penalties=args.penalties(len(prompt)),
-            lookup_window=max(LOOKUP_WINDOW, 2 * K + 2), drafter=drafter, head_len=H)
+            lookup_window=max(LOOKUP_WINDOW, 2 * K + 2), drafter=drafter, head_len=H,
+            suffix=bool(args.extra["suffix_draft"]))
         first = None if drafter is None else mtp.mtp_prefill_program(
             drafter=drafter, draft_len=H, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
             window_capacity=max(K, H) + 1)

@@ -8,7 +8,7 @@ tests/test_epilogue_ops.py, `python -m host.epilogue.ops` to rewrite the documen
 tracer method in inferlets/sdk/inferlet/trace.py if guests call it."""
 
 # the families in the document's order (each module registers its ops on import)
-from host.epilogue.ops import elementwise, construct, reduce, sampling, layout, speculative, lru, grammar, drafter, effects  # noqa: F401, I001
+from host.epilogue.ops import elementwise, construct, reduce, sampling, layout, speculative, lru, suffix, grammar, drafter, effects  # noqa: F401, I001
 from host.epilogue.ops.spec import FAMILIES, OPS, Attr, OpSpec, Typing, check_attrs
 
 __all__ = ["OPS", "FAMILIES", "Attr", "OpSpec", "Typing", "check_attrs"]

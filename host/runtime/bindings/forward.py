@@ -145,7 +145,8 @@ class ForwardCalls:
         rule = {"all": Fold.ALL, "from-channel": Fold.CHANNEL, "from-epilogue": Fold.EPILOGUE}.get(fold.tag, fold.payload)
         drafters = inst.engine.bind_drafters(program.checked.drafters, ws) if program is not None else {}
         # the loop records its rounds straight into the inferlet's draft statistics
-        return DeviceLoop(ws, program, channels, src, matchers=matchers, drafters=drafters, max_window=window,
+        suffix = inst.engine.suffix_source(ws) if program is not None and program.uses_suffix else None
+        return DeviceLoop(ws, program, channels, src, matchers=matchers, drafters=drafters, suffix=suffix, max_window=window,
                           rounds=rounds or 1, readout=rows, fold=rule, fold_channel=fold_channel, seed=seed,
                           stats=inst.draft_stats, on_round=inst.count_round,
                           hidden=program is not None and "hidden" in program.uses)

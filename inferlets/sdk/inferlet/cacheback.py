@@ -7,7 +7,8 @@ fires the pass round after round with no guest call: verify the window [t0, d1..
 against the target (greedy, or Leviathan rejection sampling), append the committed
 tokens to "out" (cut after the first EOS and at max_tokens), fold 1 + accepted rows,
 then draft the next window by prompt lookup over the last `lookup_window` tokens,
-falling back to an LRU n-gram table that holds what fell out of that window.
+falling back to an LRU n-gram table that holds what fell out of that window, then to the
+host's suffix index of earlier requests' texts (`suffix_draft`).
 """
 
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ def short_draft(K):
 def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
                       temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
                       probe_after=4, probe_max=32, verify=None, start=None, drafter=None, head_len=3,
-                      head_gate=HEAD_GATE, top_k=0, min_p=0.0, logit_bias=None, penalties=None):
+                      head_gate=HEAD_GATE, top_k=0, min_p=0.0, logit_bias=None, penalties=None, suffix=True):
     """Trace the Cacheback speculative-decoding epilogue.
 
     The guest commits prompt[:-1] to the working set first, then loops a pass whose
@@ -117,6 +118,10 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     writes them when it next drafts), so its state is current whenever it drafts. Channel "source"
     (1 cell) says where the window's drafts came from (1: the head), for sampled verification's q. The guest's prompt pass must run the
     head's prefill program (`mtp.mtp_prefill_program`) with window_capacity = the "window" spec's.
+
+    suffix: where neither the request's own context nor its LRU table offers a match, draft from
+    the texts of earlier requests in the same namespace (op suffix_draft: its draft length
+    follows its match length). The first window, drafted by the guest from the prompt, has none.
     """
     K, g, Lw, S = int(draft_len_max), int(lru_ngram), int(lookup_window), int(lru_size)
     prompt = [int(x) for x in prompt]
@@ -159,7 +164,7 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     if K == 0:
         p.set("window", t0)
     elif H:
-        cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru)
+        cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru, suffix)
         # the gate follows lookup's drafts only: a round that verified the head's counts as no candidate
         k_gate = gate(p, p.where(from_head, 0, drafts.size()), n, K, int(probe_after), int(probe_max))
         lookup = (cand_n > 0) & (k_gate > 0)
@@ -176,7 +181,7 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
         p.set("source", p.where(lookup, j, j + 1))
         p.set("window", p.concat(t0, nxt), k_next + 1)
     else:
-        cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru)
+        cand, cand_n = _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru, suffix)
         k_gate = gate(p, drafts.size(), n, K, int(probe_after), int(probe_max))
         k_next = p.minimum(p.minimum(cand_n, k_gate), p.maximum(max_tokens - out_len - emit - 1, 0))
         p.set("window", p.concat(t0, cand), k_next + 1)
@@ -184,13 +189,23 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     return p.to_json(), _channels(prompt, K, g, Lw, S, ngram_min, ngram_max, max_tokens, use_lru, int(probe_after), H)
 
 
-def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru):
+def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru, suffix=False):
     """Next drafts: prompt lookup over the last Lw history tokens + t0 + this round's tokens,
-    else the LRU table; and the table update with the leaders leaving the lookup window."""
+    else the LRU table, else (suffix) earlier requests' texts; and the table update with the
+    leaders leaving the lookup window."""
     ctx, ctx_len = lookup_context(p, win, vt, cnt, Lw, K)
     cand, cand_n = p.ngram_lookup(ctx, K, ngram_min, ngram_max, length=ctx_len)
-    if not use_lru:
-        return cand, cand_n
+    if use_lru:
+        cand, cand_n = _lru(p, ctx, ctx_len, cand, cand_n, fold, K, g, Lw, S)
+    if suffix:
+        sc, sn, _ = p.suffix_draft(ctx, ctx_len, K, min_match=max(ngram_min, 2))
+        found = cand_n > 0
+        cand, cand_n = p.where(found, cand, sc), p.where(found, cand_n, sn)
+    return cand, cand_n
+
+
+def _lru(p, ctx, ctx_len, cand, cand_n, fold, K, g, Lw, S):
+    """The LRU table's drafts where lookup found none, and its update."""
     hist = p.history()
     N = hist.size()
     p.channel("lru_table", "i64", S * (g + K))
