@@ -2,6 +2,7 @@
 
     python -m bench.serve [--levels 1,4,8,16] [--prompts 16] [--requests 32] [--max-tokens 96]
                           [--rounds 3] [--dtype auto] [--inferlet text-completion] [--quick]
+    python -m bench.serve --multi-turn ...   (conversations, prefix cache on and off: bench/multiturn.py)
 
 Starts `pie serve` in a subprocess (so the clients do not share its interpreter), then for each
 level sends the same requests (the first --prompts dev prompts in the chat template, cycled to
@@ -229,6 +230,11 @@ def run_hf(engine, ids: list[list[int]], order: list[int], max_tokens: int):
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--multi-turn" in argv:  # conversations with the prefix cache on and off: bench/multiturn.py
+        from . import multiturn
+
+        return multiturn.main([a for a in argv if a != "--multi-turn"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--levels", default="1,4,8,16", help="concurrent clients per level (1 always runs first)")

@@ -13,9 +13,9 @@ coming later), greedy, `--chat`. Workloads, each in a namespace of its own:
 - template: TEMPLATE_TASKS, one templated code task after another: each request can draft only
   from the requests before it (agents re-emitting the same scaffolding).
 
-Per prompt the contenders run one after another, interleaved: cacheback with --suffix-draft 1
-first (so it never sees the text of this prompt's other contenders), then --suffix-draft 0, then
-text-completion. Greedy outputs are checked identical. Per workload: decode tokens/s of each
+Per prompt the contenders run one after another, interleaved, each in a namespace of its own that
+holds the same earlier texts (the first answers, copied into each; and its own earlier answers,
+which are the same for every contender), so that none drafts from another's answer to the prompt. Greedy outputs are checked identical. Per workload: decode tokens/s of each
 (total tokens / total wall time), its ratio to text-completion's, and cacheback's accepted drafts
 per verify pass. Writes results/suffix.{json,md,png}.
 """
@@ -73,10 +73,13 @@ def main(argv=None) -> dict:
         run("cacheback", "Hello", "warm-up")  # compiles the components, warms the kernels
         run("text-completion", "Hello", "warm-up")
         for w in workloads:
-            ns = f"bench-{w}"
+            ns = {c: f"bench-{w}-{c}" for c in CONTENDERS}
             if w in ("regenerate", "rephrase"):
                 for p in dev:  # the earlier requests: not timed
-                    run("text-completion", p, ns)
+                    run("text-completion", p, f"bench-{w}")
+                for doc in engine.suffix.index(f"bench-{w}").documents():
+                    for c in CONTENDERS:
+                        engine.suffix.index(ns[c]).insert(doc)
                 prompts = dev if w == "regenerate" else [REPHRASE.format(prompt=p) for p in dev]
             elif w == "template":
                 prompts = [TEMPLATE.format(name=n, task=t) for n, t in TEMPLATE_TASKS]
@@ -84,9 +87,9 @@ def main(argv=None) -> dict:
                 raise SystemExit(f"unknown workload {w!r}")
             rows = []
             for i, p in enumerate(prompts):
-                got = {"suffix": run("cacheback", p, ns, "--suffix-draft", "1"),
-                       "no-suffix": run("cacheback", p, ns, "--suffix-draft", "0"),
-                       "text-completion": run("text-completion", p, ns)}
+                got = {"suffix": run("cacheback", p, ns["suffix"], "--suffix-draft", "1"),
+                       "no-suffix": run("cacheback", p, ns["no-suffix"], "--suffix-draft", "0"),
+                       "text-completion": run("text-completion", p, ns["text-completion"])}
                 ref = got["text-completion"][0].token_ids
                 if any(r.token_ids != ref for r, _ in got.values()):
                     raise RuntimeError(f"{w} prompt {i}: greedy outputs differ")

@@ -114,3 +114,35 @@ def test_a_key_finds_only_its_own_prompts_in_the_prefix_cache(served, a, b):
     assert cached(a) == 0
     assert cached(b) == 0  # A's blocks are not B's
     assert cached(a) > 0 and cached(b) > 0  # each finds its own
+
+
+def test_a_key_drafts_only_from_its_own_earlier_requests(served, a, b):
+    """Issue 43: cacheback's cross-request drafts come from the suffix index of the request's own
+    key: A's answer, listed when its run ended, drafts A's retry almost whole and B's hardly at all."""
+    from wasm_fixtures import build_inferlet  # noqa: F811
+
+    build_inferlet("cacheback-speculative-decoding")
+    body = {"model": "smollm2-135m", "max_tokens": 32, "temperature": 0,
+            "prompt": "Count from one to twenty in words, separated by commas:"}
+
+    def drafted(client, inferlet):
+        before = _metric(a, "pie:suffix_index_drafted_tokens_total")
+        resp = client.post("/v1/completions", json={**body, "inferlet": inferlet})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["text"], _metric(a, "pie:suffix_index_drafted_tokens_total") - before
+
+    text, _ = drafted(a, "text-completion")
+    assert _metric(a, "pie:suffix_index_documents") >= 1
+    text_b, by_b = drafted(b, "cacheback-speculative-decoding")
+    text_a, by_a = drafted(a, "cacheback-speculative-decoding")
+    assert text_a == text_b == text
+    assert by_a >= 16 and by_a > by_b + 8, (by_a, by_b)
+
+
+def _metric(client, name):
+    resp = client.get("/metrics")
+    assert resp.status_code == 200, resp.text
+    for line in resp.text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in /metrics")

@@ -209,7 +209,7 @@ def _variant_cases():
     def suffix():  # no index is bound here: test_suffix_index runs both paths over one
         p = Program()
         p.channel("out", "i64", 8)
-        toks, cnt, _ = p.suffix_draft(p.history(), p.const(6), 3)
+        toks, cnt, _, _ = p.suffix_draft(p.history(), p.const(6), 3)
         p.put("out", toks, cnt)
         return p
 

@@ -128,7 +128,7 @@ def test_lookups_stay_exact_through_evictions_and_the_index_rebuild():
         ix.insert(t)
         kept = (kept + [t])[-6:]
     assert store.tokens == 600 and ix._dead <= max(ix._live, 1 << 12)
-    docs = [list(d) for d in ix._docs.values()]
+    docs = ix.documents()
     assert docs == kept
     for _ in range(200):
         ctx = [rng.randrange(40) for _ in range(6)]
@@ -154,9 +154,10 @@ def test_op_drafts_from_each_pass_own_index(scalar_path):
     p = trace.Program()
     p.channel("ctx", "i64", 8)
     p.channel("len", "i64", 1)
-    p.channel("out", "i64", 6)
-    d, n, score = p.suffix_draft(p.read("ctx"), p.read("len")[0], 4, factor=2.0)
-    p.set("out", p.concat(d, p.where(p.arange(2) == 0, n, (score * 1000.0).cast("i64"))))
+    p.channel("out", "i64", 7)
+    d, n, score, match = p.suffix_draft(p.read("ctx"), p.read("len")[0], 4, factor=2.0)
+    j = p.arange(3)
+    p.set("out", p.concat(d, p.where(j == 0, n, p.where(j == 1, (score * 1000.0).cast("i64"), match))))
     prog = compile_program(p.to_json())
     store = SuffixStore()
     a, b = store.index("a"), store.index("b")
@@ -164,15 +165,17 @@ def test_op_drafts_from_each_pass_own_index(scalar_path):
     b.insert([1, 2, 3, 9, 9, 9, 9])
     cases = [(a, [0, 1, 2, 3, 0, 0, 0, 0], 4), (b, [0, 1, 2, 3, 0, 0, 0, 0], 4), (None, [1, 2, 3, 0, 0, 0, 0, 0], 3),
              (a, [1, 2, 3, 4, 5, 0, 0, 0], 2), (a, [-1, 2, 3, 0, 0, 0, 0, 0], 3), (a, [2, 3, 0, 0, 0, 0, 0, 0], 99)]
-    envs = [Env(channels={"ctx": chan(c), "len": chan([n]), "out": chan([0] * 6)}, suffix=s) for s, c, n in cases]
+    envs = [Env(channels={"ctx": chan(c), "len": chan([n]), "out": chan([0] * 7)}, suffix=s) for s, c, n in cases]
     got = [r.channels["out"].buf.tolist() for r in prog.run(envs)]
     for (s, c, n), row in zip(cases, got):
         ctx = c[:min(n, len(c))]
-        want = [] if s is None or any(x < 0 for x in ctx) else s.draft(ctx, 4, factor=2.0).tokens
+        d = None if s is None or any(x < 0 for x in ctx) else s.draft(ctx, 4, factor=2.0)
+        want = d.tokens if d else []
         assert row[:4] == want + [-1] * (4 - len(want)) and row[4] == len(want), (ctx, row)
-    assert got[0][:5] == [4, 5, 6, 7, 4] and got[0][5] == 4000
-    assert got[1][:4] == [9, 9, 9, 9] and got[2][4] == 0 and got[4][4] == 0
-    assert got[3][:5] == [3, 4, 5, 6, 4]  # the context is [1, 2]: the match is 2 long, factor 2
+        assert row[6] == (d.match if want else 0)
+    assert got[0] == [4, 5, 6, 7, 4, 4000, 3]
+    assert got[1][:4] == [9, 9, 9, 9] and got[2][4:] == [0, 0, 0] and got[4][4:] == [0, 0, 0]
+    assert got[3][:5] == [3, 4, 5, 6, 4] and got[3][6] == 2  # the context is [1, 2]: the match is 2 long, factor 2
 
 
 def chan(values):

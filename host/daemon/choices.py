@@ -50,9 +50,9 @@ class Choices:
         async def starter() -> None:
             first_of = {p.prompt_index: i for i, p in reversed(list(enumerate(self.plans)))}
             for i in range(1, len(self.plans)):
-                first = self.gens[first_of[self.plans[i].prompt_index]]
-                if self.service.engine.prefix is not None and first is not None and i != first_of[
-                        self.plans[i].prompt_index]:
+                j = first_of[self.plans[i].prompt_index]  # the prompt's first sample
+                first = self.gens[j]
+                if self.service.engine.prefix is not None and first is not None and i != j:
                     await first.began.wait()
                 try:
                     self.gens[i] = await self._start(i)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engine.loop import LoopStats
@@ -62,6 +62,10 @@ class Metrics:
         """Export the engine's prefix cache counters (prefix_cache.py), read at each scrape."""
         self.registry.register(_PrefixCacheCounters(self.model, cache))
 
+    def watch_suffix_index(self, store) -> None:
+        """Export the engine's suffix index (suffix_index.py): its size and lookups, read at each scrape."""
+        self.registry.register(_SuffixIndexMetrics(self.model, store))
+
     def started(self, inferlet: str, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model, inferlet).inc(prompt_tokens)
 
@@ -99,5 +103,26 @@ class _PrefixCacheCounters:
                 ("pie:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", self.cache.queries),
                 ("pie:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", self.cache.hits)):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
+
+
+class _SuffixIndexMetrics:
+    """The suffix index of cross-request drafts, over every namespace: its size and its lookups."""
+
+    def __init__(self, model: str, store):
+        self.model, self.store = model, store
+
+    def collect(self):
+        st = self.store
+        for kind, name, doc, value in (
+                (GaugeMetricFamily, "pie:suffix_index_tokens", "Tokens of earlier requests listed for drafts", st.tokens),
+                (GaugeMetricFamily, "pie:suffix_index_documents", "Texts (prompt and output) listed for drafts", len(st)),
+                (CounterMetricFamily, "pie:suffix_index_evictions", "Texts evicted from the suffix index", st.evictions),
+                (CounterMetricFamily, "pie:suffix_index_lookups", "Drafts asked of the suffix index", st.lookups),
+                (CounterMetricFamily, "pie:suffix_index_hits", "Lookups of the suffix index that drafted", st.hits),
+                (CounterMetricFamily, "pie:suffix_index_drafted_tokens", "Tokens the suffix index drafted",
+                 st.drafted)):
+            family = kind(name, doc, labels=["model_name"])
             family.add_metric([self.model], value)
             yield family

@@ -60,6 +60,8 @@ class Service:
         self.metrics.watch(lambda: self.admission.running, lambda: self.admission.waiting)
         if self.engine.prefix is not None:
             self.metrics.watch_prefix_cache(self.engine.prefix)
+        if self.engine.suffix is not None:
+            self.metrics.watch_suffix_index(self.engine.suffix)
         self.instances = Instances(runtime, self.admission, self.metrics,
                                    config.limits.kv_share_per_key if config.api_keys else None)
         self.inferlets = Inferlets(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",

@@ -63,13 +63,23 @@ class PagePool:
         """A quota of `share` of the pool's pages (at least one), counted against `parent` too."""
         return Quota(max(1, int(self.num_pages * share)), parent, **named)
 
-    def alloc(self, n: int, quota: Quota | None = None) -> list[int]:
+    @staticmethod
+    def _over(quota: Quota | None, n: int) -> Quota | None:
+        """The first quota of the chain that has no room for n more pages, else None."""
+        return next((q for q in quota.chain() if q.used + n > q.limit), None) if quota is not None else None
+
+    def _charge(self, pages: list[int], quota: Quota | None) -> None:
+        for p in pages:
+            self._quota[p] = quota
         for q in quota.chain() if quota is not None else ():
-            if q.used + n > q.limit:
-                raise QuotaExhausted(
-                    f"KV page quota exhausted: need {n} more pages of {self.page_size} rows, {q.used} of {q.whose} "
-                    f"quota of {q.limit} pages (of {self.num_pages} in the pool) are in use; release "
-                    f"working sets or raise the quota ({q.flag})")
+            q.used += len(pages)
+
+    def alloc(self, n: int, quota: Quota | None = None) -> list[int]:
+        if (q := self._over(quota, n)) is not None:
+            raise QuotaExhausted(
+                f"KV page quota exhausted: need {n} more pages of {self.page_size} rows, {q.used} of {q.whose} "
+                f"quota of {q.limit} pages (of {self.num_pages} in the pool) are in use; release "
+                f"working sets or raise the quota ({q.flag})")
         if n > len(self._free) and self.reclaim is not None:
             self.reclaim(n - len(self._free))
         if n > len(self._free):
@@ -80,9 +90,7 @@ class PagePool:
         pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
-            self._quota[p] = quota
-        for q in quota.chain() if quota is not None else ():
-            q.used += n
+        self._charge(pages, quota)
         return pages
 
     def retain(self, pages: list[int]) -> None:
@@ -110,11 +118,9 @@ class PagePool:
         """Take a reference to a cached page for a working set carrying `quota`: a page only the
         cache holds is charged to the quota, if it has room (else False, nothing taken)."""
         if self._refs[page] == 1 and quota is not None:
-            if any(q.used + 1 > q.limit for q in quota.chain()):
+            if self._over(quota, 1) is not None:
                 return False
-            self._quota[page] = quota
-            for q in quota.chain():
-                q.used += 1
+            self._charge([page], quota)
         self._refs[page] += 1
         self._idle.discard(page)
         return True

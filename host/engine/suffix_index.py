@@ -71,6 +71,11 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self._docs)
 
+    def documents(self) -> list[list[int]]:
+        """Its texts, the earliest listed first."""
+        with self.store.lock:
+            return [list(t) for t in self._docs.values()]
+
     def insert(self, tokens: list[int]) -> None:
         """List a text: its positions become candidates of later lookups."""
         with self.store.lock:
@@ -83,7 +88,13 @@ class SuffixIndex:
         if k < 1 or len(context) < max(min_match, KEY):
             return NO_DRAFT
         with self.store.lock:
-            return self._draft(context, k, max_match, factor, min_prob, max(min_match, KEY))
+            d = self._draft(context, k, max_match, factor, min_prob, max(min_match, KEY))
+            store = self.store
+            store.lookups += 1
+            if d.tokens:
+                store.hits += 1
+                store.drafted += len(d.tokens)
+            return d
 
     # ---- under the store's lock ------------------------------------------------------
     def _add(self, doc_id: int, text: array) -> None:
@@ -177,9 +188,13 @@ class SuffixStore:
         self._indexes: dict[str, SuffixIndex] = {}
         self._lru: OrderedDict[tuple[str, int], int] = OrderedDict()  # (namespace, doc id) -> tokens
         self._ids = itertools.count(1)
-        self.tokens = 0
+        self.tokens = 0  # positions listed now (documents' tokens)
+        # counters: documents listed and evicted; lookups, those that drafted, and their drafts
         self.insertions = 0
         self.evictions = 0
+        self.lookups = 0
+        self.hits = 0
+        self.drafted = 0
 
     def index(self, namespace: str) -> SuffixIndex:
         with self.lock:

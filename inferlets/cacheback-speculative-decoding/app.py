@@ -1,7 +1,7 @@
 """cacheback-speculative-decoding: prompt-lookup speculative decoding entirely on the device.
 
-Where the context offers no match, the drafts come from the texts of earlier requests in the
-same namespace (the host's suffix index; --suffix-draft 0 turns that off).
+Where the texts of earlier requests in the same namespace match the context longer than its own
+text does, the drafts come from them (the host's suffix index; --suffix-draft 0 turns that off).
 
 With --drafter NAME (an MTP head attached to the model), the hybrid: prompt lookup drafts where
 the context offers a match, the head drafts otherwise, in the same one device program.

@@ -119,9 +119,10 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     (1 cell) says where the window's drafts came from (1: the head), for sampled verification's q. The guest's prompt pass must run the
     head's prefill program (`mtp.mtp_prefill_program`) with window_capacity = the "window" spec's.
 
-    suffix: where neither the request's own context nor its LRU table offers a match, draft from
-    the texts of earlier requests in the same namespace (op suffix_draft: its draft length
-    follows its match length). The first window, drafted by the guest from the prompt, has none.
+    suffix: also draft from the texts of earlier requests in the same namespace (op suffix_draft:
+    its draft length follows its match length), where the request's own context and LRU table
+    offer no match or a shorter one (prompt lookup matches at most ngram_max tokens). The first
+    window, drafted by the guest from the prompt, has none.
     """
     K, g, Lw, S = int(draft_len_max), int(lru_ngram), int(lookup_window), int(lru_size)
     prompt = [int(x) for x in prompt]
@@ -191,16 +192,18 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
 
 def _draft(p, win, vt, cnt, fold, K, g, Lw, S, ngram_min, ngram_max, use_lru, suffix=False):
     """Next drafts: prompt lookup over the last Lw history tokens + t0 + this round's tokens,
-    else the LRU table, else (suffix) earlier requests' texts; and the table update with the
-    leaders leaving the lookup window."""
+    else the LRU table; earlier requests' texts (suffix) where they match longer; and the table
+    update with the leaders leaving the lookup window."""
     ctx, ctx_len = lookup_context(p, win, vt, cnt, Lw, K)
     cand, cand_n = p.ngram_lookup(ctx, K, ngram_min, ngram_max, length=ctx_len)
     if use_lru:
         cand, cand_n = _lru(p, ctx, ctx_len, cand, cand_n, fold, K, g, Lw, S)
     if suffix:
-        sc, sn, _ = p.suffix_draft(ctx, ctx_len, K, min_match=max(ngram_min, 2))
-        found = cand_n > 0
-        cand, cand_n = p.where(found, cand, sc), p.where(found, cand_n, sn)
+        sc, sn, _, sm = p.suffix_draft(ctx, ctx_len, K, min_match=max(ngram_min, 2))
+        # the longer match drafts: prompt lookup matched at most ngram_max tokens (measured against
+        # suffix drafts only where lookup finds nothing: docs/prefix-caching.md)
+        take = (sn > 0) & ((cand_n == 0) | (sm > ngram_max))
+        cand, cand_n = p.where(take, sc, cand), p.where(take, sn, cand_n)
     return cand, cand_n
 
 

@@ -370,10 +370,10 @@ class Program:
 
     def suffix_draft(self, context, length, k, min_match=2, max_match=32, factor=1.0, min_prob=0.1):
         """Drafts from earlier requests' texts in this namespace (the host's suffix index):
-        returns (tokens [k] padded with -1, count, score f32)."""
+        returns (tokens [k] padded with -1, count, score f32, match length)."""
         return self._op("suffix_draft", [context, self._lift(length, "i64")],
                         {"k": k, "min_match": min_match, "max_match": max_match, "factor": float(factor),
-                         "min_prob": float(min_prob)}, ["i64", "i64", "f32"], 3)
+                         "min_prob": float(min_prob)}, ["i64", "i64", "f32", "i64"], 4)
 
     def verify_greedy(self, drafts, target):
         """-> (accepted, tokens [k+1] padded with -1, count = accepted + 1)."""
