@@ -49,12 +49,13 @@ def batches(eng):
     """A prefill, decodes, multi-row windows, a fork, a truncation and a long lone pass, as lists
     of passes over fresh working sets (the same for every engine built the same way)."""
     a, b, c = eng.new_working_set(), eng.new_working_set(), eng.new_working_set()
-    yield [Pass(a, seq(9, 1), list(range(9)), hidden=True)]
-    yield [Pass(b, seq(3, 2), [2], hidden=True), Pass(c, seq(2, 5), [0, 1])]
+    # feature layers (the inputs of layers 0 and 1, and 2: the last output) in several orders and sets
+    yield [Pass(a, seq(9, 1), list(range(9)), hidden=True, features=(0, 1, 2))]
+    yield [Pass(b, seq(3, 2), [2], hidden=True, features=(2, 0)), Pass(c, seq(2, 5), [0, 1], features=(1,))]
     yield [Pass(a, [11], [0], hidden=True), Pass(b, [12, 13, 14], [0, 1, 2]), Pass(c, seq(20, 4), [0, 19])]
     d = eng.fork(a)
     eng.truncate(c, 3)
-    yield [Pass(a, [20, 21], [0, 1], hidden=True), Pass(d, [30], [0]), Pass(c, [40], [0])]
+    yield [Pass(a, [20, 21], [0, 1], hidden=True, features=(1, 2)), Pass(d, [30], [0]), Pass(c, [40], [0], features=(0,))]
     yield [Pass(d, [31, 32, 33, 34], [0, 1, 2, 3], fold=2, hidden=True)]
 
 
@@ -71,10 +72,24 @@ def outputs(model, stack: bool, packed: bool, kernel: bool = True):
         eng.stack = None
     out = []
     for passes in batches(eng):
-        for o in eng.forward(passes):
+        for ps, o in zip(passes, eng.forward(passes)):
             assert not isinstance(o, Exception), o
-            out.append((o.logits, o.hidden))
+            out.append((o.logits, o.hidden, o.features))
+            check_features(ps, o)
     return eng, out
+
+
+def check_features(ps, o):
+    """Features come as asked: the readout rows, each asked layer's hidden size side by side, and
+    the last layer's output (layer 2 of 2) is the pass's hidden state exactly."""
+    if not ps.features:
+        assert o.features is None
+        return
+    H = 64  # tiny_config's hidden size
+    assert o.features.shape == (len(ps.readout), H * len(ps.features)) and o.features.dtype == torch.float32
+    if ps.hidden and 2 in ps.features:
+        j = ps.features.index(2)
+        assert torch.equal(o.features[:, H * j:H * (j + 1)], o.hidden)
 
 
 CASES = [(t, {}) for t in SUPPORTED] + [("llama", {"attention_bias": True, "mlp_bias": True})]
@@ -90,9 +105,10 @@ def test_the_stack_computes_transformers_forward(model_type, extra, packed, kern
     assert len(ours) == len(theirs) == 10
     # exact on torch's operators; the row ops' norms and SiLU round differently (~1e-7 here)
     same = torch.equal if not kernel else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    for (lo, ho), (lt, ht) in zip(ours, theirs):
+    for (lo, ho, fo), (lt, ht, ft) in zip(ours, theirs):
         assert same(lo, lt)
         assert (ho is None) == (ht is None) and (ho is None or same(ho, ht))
+        assert (fo is None) == (ft is None) and (fo is None or same(fo, ft))
 
 
 def test_the_stack_matches_the_eager_reference_model():
@@ -108,6 +124,29 @@ def test_the_stack_matches_the_eager_reference_model():
     with torch.inference_mode():
         want = ref(torch.tensor([s])).logits[0]
     assert torch.allclose(torch.cat([o.logits, o2.logits]), want, atol=1e-4)
+
+
+def test_features_are_the_layer_inputs_of_the_reference_model():
+    """Pass.features against transformers' output_hidden_states (the eager reference, to float
+    tolerance): hidden_states[i] enters layer i; and a pass asking for a layer past the model's
+    last output is refused."""
+    from host.errors import InvalidArgument
+
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    ref.config._attn_implementation = "eager"
+    eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
+    s = seq(10)
+    ws = eng.new_working_set()
+    (o,) = eng.forward([Pass(ws, s[:7], [6], features=(0, 1))])
+    (o2,) = eng.forward([Pass(ws, s[7:], [0, 2], features=(1, 0))])
+    with torch.inference_mode():
+        hs = ref(torch.tensor([s]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[0][0], hs[1][0]], -1)
+    assert torch.allclose(o.features, want[[6]], atol=1e-5)
+    assert torch.allclose(o2.features, torch.cat([hs[1][0], hs[0][0]], -1)[[7, 9]], atol=1e-5)
+    with pytest.raises(InvalidArgument, match="feature layers"):
+        eng.check_pass(Pass(ws, [5], [0], features=(3,)))
 
 
 def test_other_layers_run_transformers_forward():
@@ -136,11 +175,12 @@ def test_the_cpp_loop_equals_the_python_loop_exactly(model_type, extra):
 
     eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
     eng.stack.native = counted
-    ours = [(o.logits, o.hidden) for passes in batches(eng) for o in eng.forward(passes)]
+    ours = [(o.logits, o.hidden, o.features) for passes in batches(eng) for o in eng.forward(passes)]
     eng = Engine(copy.deepcopy(model), TinyTokenizer(), name="t", kv_pages=32, page_size=4)
     eng.stack.native = None
-    theirs = [(o.logits, o.hidden) for passes in batches(eng) for o in eng.forward(passes)]
+    theirs = [(o.logits, o.hidden, o.features) for passes in batches(eng) for o in eng.forward(passes)]
     assert len(calls) == 5, "every batch runs in C++ (batches() makes five)"
-    for (lo, ho), (lt, ht) in zip(ours, theirs):
+    for (lo, ho, fo), (lt, ht, ft) in zip(ours, theirs):
         assert torch.equal(lo, lt)
         assert (ho is None) == (ht is None) and (ho is None or torch.equal(ho, ht))
+        assert (fo is None) == (ft is None) and (fo is None or torch.equal(fo, ft))

@@ -278,7 +278,8 @@ class HeadRunner:
         e = self._embed(ids)[None]
         if self._stack is not None:
             with self.linears.active():
-                return self._stack.run(self.head.fuse(e[0], hidden.to(e.dtype), self._norm), pos[0], meta)
+                g, normed, _ = self._stack.run(self.head.fuse(e[0], hidden.to(e.dtype), self._norm), pos[0], meta)
+                return g, normed
         pe = self._rotary(e, pos)
         with self.linears.active():
             g = self.head(e, hidden[None].to(e.dtype), pe, position_ids=pos, pie_batch=meta)[0]

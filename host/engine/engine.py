@@ -68,6 +68,9 @@ class Pass:
     readout: list[int]
     fold: int | Fold = Fold.ALL
     hidden: bool = False
+    # layers whose inputs (the residual stream entering each; num_layers: `hidden`) the readout rows
+    # also return, side by side (PassOutput.features): an EAGLE-3 head's fused features
+    features: tuple[int, ...] = ()
     logits: bool = True  # False: the readout rows' hidden states only (no lm_head: a head's prompt pass)
     spare: int = 0  # rows past the window whose pages are prepared too (a draft head's chain)
     choose: Callable[[torch.Tensor, int], list[int]] | None = None
@@ -95,6 +98,7 @@ class PassOutput:
     logits: torch.Tensor | None  # [len(readout), vocab] float32; None for a pass with logits=False
     hidden: torch.Tensor | None = None  # [len(readout), hidden_size] f32, before the final norm
     tokens: list[int] | None = None  # the pass's `choose` applied to the logits
+    features: torch.Tensor | None = None  # [len(readout), len(features) * hidden_size] f32 (Pass.features)
 
 
 @dataclass
@@ -302,6 +306,8 @@ class Engine:
         if isinstance(ps.tokens, list):
             self.check_ids(ps.tokens)
         check_shape(w, ps.readout, ps.fold)
+        if any(not 0 <= c <= self.info.num_layers for c in ps.features):
+            raise InvalidArgument(f"feature layers must be in 0..{self.info.num_layers}, not {list(ps.features)}")
 
     # ---- the step -------------------------------------------------------------------
     @on_compute_thread
@@ -429,7 +435,8 @@ class Engine:
             with torch.inference_mode():
                 return self.run(batch)
         t0 = time.perf_counter()
-        prenorm, last = self._layers(batch)
+        capture = sorted({c for ps in batch.passes for c in ps.features})
+        prenorm, last, captured = self._layers(batch, capture)
         want = [ps.logits for ps in batch.passes]
         rows = batch.readout_index
         if not all(want):  # the lm_head only over the rows of passes that read logits
@@ -452,20 +459,33 @@ class Engine:
             hiddens = hidden.split(splits) if hidden is not None else [None] * len(splits)
             outs = [PassOutput(next(lgs) if ps.logits else None, hd if ps.hidden else None)
                     for ps, hd in zip(batch.passes, hiddens)]
+        if capture:
+            self._features(batch, outs, capture, captured)
         for ps, first, out in zip(batch.passes, batch.first_positions, outs):
             if ps.ws.scores is not None and out.logits is not None:  # its run reports logprobs
                 ps.ws.scores.record(first, ps.readout, out.logits)
         return outs
 
-    def _layers(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch through the decoder: the last layer's output before and after the final norm."""
+    def _layers(self, batch: Batch, capture: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """The batch through the decoder: the last layer's output before and after the final norm,
+        and the inputs of the `capture` layers ([T, hidden] each; LayerStack.run)."""
         with self.linears.active():
             if self.stack is not None:
-                return self.stack(batch.input_ids, batch.position_ids, batch.meta)
+                return self.stack(batch.input_ids, batch.position_ids, batch.meta, tuple(capture))
             out = self._decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                                use_cache=False, pie_batch=batch.meta)
+                                use_cache=False, pie_batch=batch.meta, output_hidden_states=bool(capture))
         prenorm, self._prenorm = self._prenorm, None
-        return prenorm[0], out.last_hidden_state[0]
+        # hidden_states[i] is layer i's input for i < layers (the last one is after the final norm)
+        captured = [prenorm[0] if c == self.info.num_layers else out.hidden_states[c][0] for c in capture]
+        return prenorm[0], out.last_hidden_state[0], captured
+
+    def _features(self, batch: Batch, outs: list[PassOutput], capture: list[int], captured: list) -> None:
+        """Each pass's PassOutput.features: its readout rows of its layers' inputs, side by side."""
+        rows = [c.index_select(0, batch.readout_index).float() for c in captured]
+        parts = [r.split(batch.readout_splits) for r in rows]
+        for b, (ps, out) in enumerate(zip(batch.passes, outs)):
+            if ps.features:
+                out.features = torch.cat([parts[capture.index(c)][b] for c in ps.features], -1)
 
     @staticmethod
     def _row_ranges(batch: Batch) -> list[range]:

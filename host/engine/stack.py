@@ -102,15 +102,26 @@ class LayerStack:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 meta: attention.BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: attention.BatchMeta,
+                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """input_ids, position_ids: [T]. Returns the last layer's output before and after the
-        final norm, [T, hidden] each."""
-        return self.run(self.decoder.embed_tokens(input_ids), position_ids, meta)
+        final norm, [T, hidden] each, and the inputs of the `capture` layers (`run`)."""
+        return self.run(self.decoder.embed_tokens(input_ids), position_ids, meta, capture)
 
-    def run(self, x: torch.Tensor, position_ids: torch.Tensor,
-            meta: attention.BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers over inputs x [T, hidden] (embedded tokens, or an MTP head's fused input)."""
+    def run(self, x: torch.Tensor, position_ids: torch.Tensor, meta: attention.BatchMeta,
+            capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The layers over inputs x [T, hidden] (embedded tokens, or an MTP head's fused input).
+        capture: layer indices in [0, layers]; their inputs (the residual stream entering the layer;
+        `layers`: the last layer's output before the final norm) come back [T, hidden] each, in order."""
+        n_layers = len(self.layers)
+        if any(not 0 <= c <= n_layers for c in capture):
+            raise ValueError(f"capture layers must be in [0, {n_layers}], not {list(capture)}")
+        captured: list = [None] * len(capture)
+
+        def keep(layer: int, h: torch.Tensor) -> None:
+            for j, c in enumerate(capture):
+                if c == layer:
+                    captured[j] = h
         dec, base = self.decoder, self.first_layer
         final = self.final_norm.weight
         kv = meta.kv[base:]
@@ -127,18 +138,22 @@ class LayerStack:
             if g.plan is None:
                 g.plan = attention.kernel_plan(g, x.device)
             return self.native(x, cos, sin, *self._native_args, final, kv,
-                               meta.slot_mapping, *g.plan, self._scaling, self.eps, h, kvh, self.inter)
+                               meta.slot_mapping, *g.plan, self._scaling, self.eps, h, kvh, self.inter, list(capture))
         q_end, k_end = h * hd, (h + kvh) * hd
         if rows is not None:  # the CPU kernels' steps, the C++ loop's calls
             delta = None  # what the last layer adds to x, before the next norm
             for i, ly in enumerate(self.layers):
                 x, normed = rows.residual_norm(x, delta, ly.norm1, self.eps)
+                keep(i, x)
                 q = rows.rope_store(ly.qkv(normed), cos, sin, kv[i], meta.slot_mapping, h, kvh)
                 out = attention.attend(meta, base + i, q.transpose(0, 1)[None], None, None, ly.scaling)
                 x, normed = rows.residual_norm(x, ly.o(out[0].transpose(0, 1).reshape(t, q_end)), ly.norm2, self.eps)
                 delta = ly.down(rows.silu_mul(ly.gate_up(normed), self.inter))
-            return rows.residual_norm(x, delta, final, self.eps)
+            last, normed = rows.residual_norm(x, delta, final, self.eps)
+            keep(n_layers, last)
+            return last, normed, captured
         for i, ly in enumerate(self.layers):
+            keep(i, x)
             qkv = ly.qkv(self._norm(x, ly.norm1))
             qk = qkv[:, :k_end].view(t, h + kvh, hd)  # q's and k's heads side by side: one rotation
             qk = qk * cos + torch.roll(qk, half, -1) * sin
@@ -147,4 +162,5 @@ class LayerStack:
             x = x + ly.o(out[0].transpose(0, 1).reshape(t, q_end))
             gu = ly.gate_up(self._norm(x, ly.norm2))
             x = x + ly.down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
-        return x, self._norm(x, final)
+        keep(n_layers, x)
+        return x, self._norm(x, final), captured

@@ -11,14 +11,14 @@
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv, at::Tensor ctx, int64_t base,
                      at::Tensor starts, at::Tensor windows, at::Tensor frozen, double scale);
 
-std::tuple<at::Tensor, at::Tensor> layer_stack(
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> layer_stack(
     at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& norms,
     const std::vector<int64_t>& parts, const std::vector<at::Tensor>& skinny, const std::vector<int64_t>& formats,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& outputs,
     at::Tensor final_norm, at::Tensor kv,
     at::Tensor slot_mapping, at::Tensor ctx, int64_t base, at::Tensor starts, at::Tensor windows,
     at::Tensor frozen, const std::vector<double>& scaling, double eps, int64_t heads, int64_t kv_heads,
-    int64_t inter);
+    int64_t inter, const std::vector<int64_t>& capture);
 
 at::Tensor skinny_pack(at::Tensor weight);
 

@@ -24,15 +24,17 @@ Tensor packed_linear(const Tensor& x, const Tensor& skinny, int64_t format, cons
 // formats differ). skinny, formats, biases, outputs: each part's, as linear.py packs it (format
 // 0: a float weight; else its blocks' ggml type). cos, sin: [T, 1, head_dim], sin sign-folded as
 // in stack.py. kv: the whole pool, [layers, 2, kv_heads, slots, head_dim]. The attention
-// arguments are paged_attention's, for the batch's one group of short windows.
-std::tuple<Tensor, Tensor> layer_stack(Tensor x, Tensor cos, Tensor sin, const std::vector<Tensor>& norms,
+// arguments are paged_attention's, for the batch's one group of short windows. capture: layer
+// indices in [0, layers] whose input (the residual stream entering the layer; `layers`: the last
+// layer's output before the final norm) is returned too, in that order.
+std::tuple<Tensor, Tensor, std::vector<Tensor>> layer_stack(Tensor x, Tensor cos, Tensor sin, const std::vector<Tensor>& norms,
                                        const std::vector<int64_t>& parts, const std::vector<Tensor>& skinny,
                                        const std::vector<int64_t>& formats,
                                        const std::vector<std::optional<Tensor>>& biases,
                                        const std::vector<int64_t>& outputs, Tensor final_norm, Tensor kv,
                                        Tensor slot_mapping, Tensor ctx, int64_t base, Tensor starts, Tensor windows,
                                        Tensor frozen, const std::vector<double>& scaling, double eps, int64_t heads,
-                                       int64_t kv_heads, int64_t inter) {
+                                       int64_t kv_heads, int64_t inter, const std::vector<int64_t>& capture) {
   const int64_t layers = static_cast<int64_t>(scaling.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(parts.size()) == 4 * layers,
               "layer_stack: two norms and four products per layer");
@@ -43,6 +45,12 @@ std::tuple<Tensor, Tensor> layer_stack(Tensor x, Tensor cos, Tensor sin, const s
               "layer_stack: a weight, format, bias and output count for each part");
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) >= layers, "layer_stack: the pool is [layers, 2, kv_heads, slots, D]");
   const int64_t t = x.size(0), hd = kv.size(4), q_end = heads * hd;
+  for (const int64_t c : capture) TORCH_CHECK(c >= 0 && c <= layers, "layer_stack: capture layer ", c, " of ", layers);
+  std::vector<Tensor> captured(capture.size());
+  const auto keep = [&](int64_t layer, const Tensor& h) {  // h is never written after: kept, not copied
+    for (size_t j = 0; j < capture.size(); ++j)
+      if (capture[j] == layer) captured[j] = h;
+  };
   std::optional<Tensor> delta;  // what the last layer adds to x, before the next norm
   for (int64_t i = 0; i < layers; ++i) {
     const auto product = [&](const Tensor& in, int j) {
@@ -53,6 +61,7 @@ std::tuple<Tensor, Tensor> layer_stack(Tensor x, Tensor cos, Tensor sin, const s
       return at::cat(ys, 1);
     };
     auto [h, normed] = residual_norm(x, delta, norms[2 * i], eps);
+    keep(i, h);
     const Tensor pool = kv[i];
     const Tensor q = rope_store(product(normed, 0), cos, sin, pool, slot_mapping, heads, kv_heads);
     const Tensor out = at::empty({t, heads, hd}, q.options());  // token-major: [T, heads * D] is a view
@@ -60,5 +69,7 @@ std::tuple<Tensor, Tensor> layer_stack(Tensor x, Tensor cos, Tensor sin, const s
     std::tie(x, normed) = residual_norm(h, product(out.view({t, q_end}), 1), norms[2 * i + 1], eps);
     delta = product(silu_mul(product(normed, 2), inter), 3);
   }
-  return residual_norm(x, delta, final_norm, eps);
+  auto [last, normed] = residual_norm(x, delta, final_norm, eps);
+  keep(layers, last);
+  return {last, normed, captured};
 }
