@@ -83,16 +83,24 @@ def main(argv=None) -> dict:
     rows = load_prompts(args.prompts)
     seqs = _replies(model, tok, rows, args.new_tokens)
     cfg = T.TrainConfig(name="dev", progress=False, gen_batch=len(seqs) + 1)
+    import dataclasses
     import tempfile
 
-    with tempfile.TemporaryDirectory() as work:
-        seqs = T.capture(model, seqs, cfg, Path(work))
+    replies, captured = seqs, {}
+
+    def features(layers: tuple) -> list[dict]:
+        """h and the choices at every row, and for an eagle3 head its layers' inputs (once per set)."""
+        if layers not in captured:
+            with tempfile.TemporaryDirectory() as work:
+                captured[layers] = T.capture(model, replies, dataclasses.replace(cfg, layers=list(layers)), Path(work))
+        return captured[layers]
     V = model.get_output_embeddings().weight.shape[0]
     cats = sorted({r["category"] for r in rows})
     results = {}
     for name in names:
         head, spec = load_head(_head_folder(rec, name), model, dtype=torch.float32)
         head.set_attention("sdpa")
+        seqs = features(head.layers)
         W = head.output_weight(model.get_output_embeddings().weight)
         vmap = torch.full((V,), T.IGNORE, dtype=torch.long)
         ids = head.draft_vocab if head.draft_vocab is not None else torch.arange(V)

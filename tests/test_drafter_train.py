@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -104,6 +105,47 @@ def test_inline_features_match_a_forward(tmp_path, target):
         torch.testing.assert_close(a["h"].float(), b["h"][:L - 1].float(), atol=2e-2, rtol=2e-2)
         assert torch.equal(a["choice"][P - 1:L - 1], b["choice"][P - 1:L - 1])
         assert torch.equal(a["choice"][P - 1:L - 1].long(), a["ids"][P:].long())  # greedy
+
+
+def test_inline_layer_features_match_a_forward(tmp_path, target):
+    """An eagle3 head's input, the inputs of its layers captured while generating, is what a plain
+    forward over prompt + reply gives (transformers' hidden_states; layer 2 of 2: h itself)."""
+    model, tok = target
+    cfg = _cfg(tmp_path, tokens=60, layers=[0, 1, 2]).resolved()
+    seqs = T.generate(model, tok, PROMPTS[:4], cfg, tmp_path / "w1")
+    plain = [{k: (v.tolist() if k == "ids" else v) for k, v in q.items() if k not in ("h", "choice", "feat")}
+             for q in seqs]
+    ref = T.capture(model, plain, cfg, tmp_path / "w2")
+    for a, b in zip(seqs, ref):
+        L = len(a["ids"])
+        assert a["feat"].shape == (L - 1, 3 * 64) and b["feat"].shape == (L, 3 * 64)
+        torch.testing.assert_close(a["feat"].float(), b["feat"][:L - 1].float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(a["feat"][:, 128:], a["h"])  # the last entry: the final norm's input
+        with torch.inference_mode():
+            hs = model.model(torch.tensor([a["ids"].tolist()]), output_hidden_states=True).hidden_states
+        torch.testing.assert_close(b["feat"][:, :128].float(), torch.cat([hs[0][0], hs[1][0]], -1),
+                                   atol=2e-2, rtol=2e-2)
+
+
+def test_train_tiny_eagle3_head(tmp_path, monkeypatch, target):
+    """Issue 54: a head of kind eagle3 trains on its layers' inputs (step 1) and its own output
+    (chained steps), saves its kind and layers, and loads."""
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    model, tok = target
+    res = T.train(model, tok, _cfg(tmp_path, tokens=400, epochs=4, eval_points=2, layers=[0, 1, 2]), prompts=PROMPTS)
+    losses = [h["loss"] for h in res["history"]["train"]]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    spec = json.loads((tmp_path / "out" / "drafter.json").read_text())
+    assert spec["kind"] == "eagle3" and spec["layers"] == [0, 1, 2]
+    head, hs = load_head(tmp_path / "out", model)
+    assert head.kind == "eagle3" and head.layers == (0, 1, 2) and head.fc.weight.shape == (64, 192)
+    vals = [h["top1"] for h in res["history"]["val"]]
+    assert vals[-1] > vals[0]  # it learned
+    # a work folder made for an MTP head (no layer features) cannot feed an eagle3 head
+    first = _cfg(tmp_path / "m", tokens=200, epochs=1, eval_points=1)
+    T.train(model, tok, first, prompts=PROMPTS)
+    with pytest.raises(ValueError, match="another --work-dir"):
+        T.train(model, tok, dataclasses.replace(first, layers=[0, 1], out=tmp_path / "m" / "out2"), prompts=PROMPTS)
 
 
 def test_soft_targets_are_the_targets_own_distribution_at_the_predicted_row(tmp_path, target):
@@ -209,6 +251,9 @@ def test_cli_parser(tmp_path, monkeypatch):
                               "--max-new-tokens", "64", "--work-dir", str(tmp_path / "w")])
     assert args.func is train_cli.run and args.name == "h" and args.tokens == 5000 and args.resume
     assert (args.epochs, args.lr, args.draft_vocab, args.seed, args.batch, args.max_new_tokens) == (2, 5e-4, 4096, 3, 4, 64)
+    assert args.kind == "mtp" and args.layers is None
+    args = parser.parse_args(["train", "m", "--name", "h", "--kind", "eagle3", "--layers", "2,15,27"])
+    assert (args.kind, args.layers) == ("eagle3", "2,15,27")
     cfg = T.TrainConfig(name="h").resolved()
     assert cfg.out == tmp_path / "home" / "drafters" / "h" and cfg.work_dir == tmp_path / "home" / "drafters" / "h.work"
     folder = tmp_path / "m"

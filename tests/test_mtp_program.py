@@ -1,7 +1,8 @@
 """The MTP speculative-decoding programs on the tiny model with a random MTP head, driven by the
 device loop: greedy output equals plain greedy decoding, the head's KV rows equal those of a fresh
 prompt pass over the committed text after many rejections, seeded runs repeat, and sampled output
-has the target distribution with the head's own q (and a broken rule is caught)."""
+has the target distribution with the head's own q (and a broken rule is caught). The same for a
+head of kind eagle3 (issue 54: it fuses the inputs of three layers), where marked KINDS."""
 
 from __future__ import annotations
 
@@ -26,15 +27,18 @@ from test_cacheback_program import DIST_PROMPT, REPETITIVE, T, TOP_P, accept_eve
 mtp = importlib.import_module("inferlet.mtp")
 cacheback = importlib.import_module("inferlet.cacheback")
 NAME = "mtp"
+EAGLE3_LAYERS = (0, 1, 2)  # the tiny model's two layers' inputs and its last output
+KINDS = pytest.mark.parametrize("layers", [None, EAGLE3_LAYERS], ids=["mtp", "eagle3"])
 
 
-def head_engine(tiny, vocab, successor=False, **kw):
+def head_engine(tiny, vocab, successor=False, layers=None, **kw):
     """The tiny model with an MTP head whose drafts are restricted to `vocab` (tokens the target
     often picks here): random, or (successor) one that drafts each token's most frequent successor
-    in `vocab` read as a text, so its drafts are accepted on a repetitive text and rejected elsewhere."""
+    in `vocab` read as a text, so its drafts are accepted on a repetitive text and rejected elsewhere.
+    layers: an eagle3 head fusing those layers' inputs."""
     eng, ref = tiny
     torch.manual_seed(1)
-    head = MtpHead(eng.model, draft_vocab=torch.tensor(sorted(set(vocab))))
+    head = MtpHead(eng.model, draft_vocab=torch.tensor(sorted(set(vocab))), layers=layers)
     if successor:
         successor_head(head, eng.model, vocab)
     return Engine(eng.model, eng.tokenizer, name="tiny-mtp", kv_pages=kw.pop("kv_pages", 4096), page_size=4,
@@ -133,9 +137,10 @@ def run(eng, prompt, **kw):
     return cells(ch["out"]), stats, lp
 
 
+@KINDS
 @pytest.mark.parametrize("K,adaptive", [(1, True), (3, True), (4, False)])
-def test_greedy_output_equals_plain_greedy(tiny_module, greedy_text, K, adaptive):
-    eng, _ = head_engine(tiny_module, greedy_text, successor=True)
+def test_greedy_output_equals_plain_greedy(tiny_module, greedy_text, K, adaptive, layers):
+    eng, _ = head_engine(tiny_module, greedy_text, successor=True, layers=layers)
     out, stats, lp = run(eng, REPETITIVE, K=K, max_tokens=48, adaptive=adaptive)
     assert out == greedy_text
     assert 0 < stats.accepted < stats.drafted  # the head was right and wrong
@@ -162,12 +167,13 @@ def test_the_draft_length_follows_the_head_gate(tiny_module, greedy_text):
     assert 0 in ks and K in ks  # the gate closed, and probes reopened it
 
 
+@KINDS
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, greedy_text, adaptive):
+def test_head_rows_after_many_rejections_equal_a_fresh_prompt_pass(tiny_module, greedy_text, adaptive, layers):
     """The head's KV rows, built round by round over whatever each round folded (its chains written
     past them and overwritten; with the adaptive gate, rounds that do not draft leave theirs to the
     next that does), equal those one prompt pass over the committed text writes."""
-    eng, _ = head_engine(tiny_module, greedy_text, successor=True)
+    eng, _ = head_engine(tiny_module, greedy_text, successor=True, layers=layers)
     runner = eng.heads[NAME]
     deferred = []
     keep = DraftState.keep
@@ -245,9 +251,10 @@ def sample_pairs(eng, verify=None, runs=600):
     return pairs, stats
 
 
-def test_sampled_output_has_the_target_distribution(tiny_module):
+@KINDS
+def test_sampled_output_has_the_target_distribution(tiny_module, layers):
     # drafts from the head restricted to tokens the target gives moderate mass after DIST_PROMPT
-    eng, ref = head_engine(tiny_module, [92, 32, 79, 63, 85, 65], kv_pages=16384)
+    eng, ref = head_engine(tiny_module, [92, 32, 79, 63, 85, 65], kv_pages=16384, layers=layers)
     exact = exact_pairs(ref, DIST_PROMPT)
     pairs, stats = sample_pairs(eng)
     accepted = sum(s.accepted for s in stats)
@@ -284,19 +291,21 @@ def reference_drafts(model, head, prompt, k, temperature=0.0):
     the whole sequence at every step (no paged KV): rows i pair the target's pre-norm hidden state
     h_i with prompt[i+1]; each chained row appends (embed(draft), g of the previous row).
     Returns the drafts (greedy) and each step's distribution over the full vocabulary."""
-    ref_head = MtpHead(model, draft_vocab=head.draft_vocab)  # a fresh module: no engine hooks
+    ref_head = MtpHead(model, draft_vocab=head.draft_vocab, layers=head.layers)  # a fresh module: no engine hooks
     ref_head.load_state_dict(head.state_dict())
     ref_head.set_attention("sdpa")
     keep = {}
     hook = model.model.norm.register_forward_pre_hook(lambda m, a: keep.__setitem__("h", a[0]))
     try:
         with torch.inference_mode():
-            model.model(torch.tensor([prompt]))
+            hs = model.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     finally:
         hook.remove()
-    h = keep["h"][0, :-1]  # rows 0..m-2
+    L = model.config.num_hidden_layers
+    # an eagle3 head's rows read the inputs of its layers (hidden_states[L] is after the final norm)
+    h = (torch.cat([keep["h"] if c == L else hs[c] for c in head.layers], -1) if head.layers else keep["h"])[0, :-1]
     emb = model.get_input_embeddings().weight
-    ids, hid, drafts, qs = list(prompt[1:]), [x for x in h], [], []
+    ids, hid, drafts, qs = list(prompt[1:]), [(x, True) for x in h], [], []
     W = head.output_weight(model.get_output_embeddings().weight)
     with torch.inference_mode():
         for _ in range(k):
@@ -304,7 +313,10 @@ def reference_drafts(model, head, prompt, k, temperature=0.0):
             pos = torch.arange(n)[None]
             e = emb[torch.tensor(ids)][None]
             pe = model.model.rotary_emb(e, pos)
-            g = ref_head(e, torch.stack(hid)[None], pe, position_ids=pos, attention_mask=None)[0]
+            # row by row: the target's readout rows (fused by fc for eagle3), then the chain's own g
+            x = torch.cat([ref_head.fuse(e[0, r:r + 1], hr[None], target=t) for r, (hr, t) in enumerate(hid)])
+            out = ref_head.block(x[None], position_embeddings=pe, position_ids=pos, attention_mask=None)
+            g = (out[0] if isinstance(out, tuple) else out)[0]
             logits = ref_head.logits(g[-1], W)
             full = torch.zeros(model.config.vocab_size)
             full[head.draft_vocab] = torch.softmax(logits / (temperature or 1.0), -1)
@@ -312,13 +324,14 @@ def reference_drafts(model, head, prompt, k, temperature=0.0):
             d = int(head.draft_vocab[int(logits.argmax())])
             drafts.append(d)
             ids.append(d)
-            hid.append(g[-1])
+            hid.append((g[-1], False))
     return drafts, qs
 
 
 @covers("mtp_draft")
-def test_mtp_draft_equals_the_plain_head_formula(tiny_module):
-    eng, ref = head_engine(tiny_module, list(range(97)))
+@KINDS
+def test_mtp_draft_equals_the_plain_head_formula(tiny_module, layers):
+    eng, ref = head_engine(tiny_module, list(range(97)), layers=layers)
     head = eng.heads[NAME].head
     sched = Scheduler(eng)
     try:
@@ -429,3 +442,19 @@ def test_pending_head_rows_are_written_in_the_next_drafting_pass_or_dropped_afte
     before = eng.kv[-1].clone()
     runner.catch_up(a)  # those two rows were never folded: nothing to write
     assert sa.pending is None and torch.equal(eng.kv[-1], before)
+
+
+def test_a_models_heads_share_one_hidden_readout(tiny_module):
+    """Issue 54: an eagle3 head's passes read its layers' inputs where an MTP head's read the last
+    output, so a model takes heads of one kind (and one set of layers); a head's layers are inside
+    the model."""
+    eng, _ = tiny_module
+    mtp_head = MtpHead(eng.model)
+    e3 = MtpHead(eng.model, layers=[0, 1])
+    with pytest.raises(ValueError, match="share one hidden readout"):
+        Engine(eng.model, eng.tokenizer, name="t", kv_pages=64, page_size=4, heads={"a": mtp_head, "b": e3})
+    with pytest.raises(ValueError, match="distinct, in 0..2"):
+        MtpHead(eng.model, layers=[0, 3])
+    both = Engine(eng.model, eng.tokenizer, name="t", kv_pages=64, page_size=4,
+                  heads={"a": e3, "b": MtpHead(eng.model, layers=[0, 1])})
+    assert both.head_layers == (0, 1)

@@ -41,6 +41,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="capture h and the target's argmax while generating (default, fast) or by one more "
                         "forward of the model in its own dtype (exact, slower)")
     p.add_argument("--unroll", type=int, default=d.unroll, help=f"chained draft steps trained (default {d.unroll})")
+    p.add_argument("--kind", default="mtp", choices=["mtp", "eagle3"],
+                   help="mtp: the head reads the last layer's output; eagle3: the inputs of --layers, fused")
+    p.add_argument("--layers", default=None,
+                   help="eagle3: comma-separated layer indices (default EAGLE-3's low, middle, high: 2, L/2, L-3)")
     p.add_argument("--soft", type=float, default=d.soft,
                    help=f"weight of the soft target (the model's own distribution over the draft vocabulary) "
                         f"against its argmax label, 0..1 (default {d.soft})")
@@ -78,11 +82,26 @@ def run(args) -> int:
     tok = AutoTokenizer.from_pretrained(folder)
     # training runs transformers' layers: a GGUF import's blocks widened (exactly)
     model = weights.load(folder, torch.float32, torch.device("cpu"), keep=False).eval()
+    layers = []
+    if args.kind == "eagle3":
+        from ..drafter.mtp import default_layers
+        from ..errors import InvalidArgument
+
+        try:
+            layers = ([int(x) for x in args.layers.split(",")] if args.layers
+                      else default_layers(model.config.num_hidden_layers))
+        except ValueError:
+            raise InvalidArgument(f"--layers takes comma-separated layer indices, not {args.layers!r}") from None
+    elif args.layers:
+        from ..errors import InvalidArgument
+
+        raise InvalidArgument("--layers is for --kind eagle3")
     cfg = TrainConfig(name=args.name, out=args.out, work_dir=args.work_dir, tokens=args.tokens,
                       context_share=args.context_share, word_prompts=not args.no_word_prompts,
                       max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
                       seed=args.seed, batch=args.batch, gen_batch=args.gen_batch, gen_dtype=args.gen_dtype,
                       unroll=args.unroll, soft=args.soft, features=args.features, init=args.init, autocast=not args.no_autocast, resume=args.resume,
+                      layers=layers,
                       progress=not args.quiet,
                       command=getattr(args, "command_line", None) or "pie " + shlex.join(sys.argv[1:]))
     res = train(model, tok, cfg)

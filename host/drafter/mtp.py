@@ -10,6 +10,12 @@ the token that follows position i:
 Chained for k > 1 drafts by feeding g_i back as the next step's hidden state. The block has its
 own KV rows (one per target position), so its attention sees the head's earlier rows.
 
+Kind `eagle3` (EAGLE-3, arXiv 2503.01840): h_i is not the last layer's output but the hidden
+states entering `layers` (default low, middle and high: 2, L/2, L-3), side by side, fused by one
+bias-free linear `fc` [H, len(layers) H] before hnorm; chained steps feed g back as MTP does (the
+fused features are the target's only). The engine reads those layers' inputs out in place of the
+last layer's output for a model whose heads are of this kind (Engine.head_layers).
+
 A head is stored as a folder: `head.safetensors` (the canonical names below, any float dtype) and
 `drafter.json` (a HeadSpec). `draft_vocab`, when present, restricts the head's output to those
 target token ids (the rows of the target's lm_head, shared): drafting costs a fraction of a full
@@ -27,7 +33,14 @@ import torch
 from torch import nn
 
 SPEC_FILE, WEIGHTS_FILE = "drafter.json", "head.safetensors"
-KIND = "mtp"
+KIND, EAGLE3 = "mtp", "eagle3"
+KINDS = (KIND, EAGLE3)
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's feature layers: the inputs of a low, a middle and a high layer (2, L/2, L-3),
+    distinct and inside the model (a shallow model gets fewer)."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
 
 
 @dataclass
@@ -41,6 +54,7 @@ class HeadSpec:
     own_head: bool = False  # the head has its own output projection (else the target's lm_head)
     draft_vocab_size: int | None = None  # rows of draft_vocab, when the output is restricted
     kind: str = KIND
+    layers: list[int] = field(default_factory=list)  # eagle3: the layers whose inputs the head fuses
     source: str = ""  # where it came from: "mtp:<layout> <path>", a head folder, "trained"
     block: str = ""  # the decoder layer class of the block
     recipe: dict = field(default_factory=dict)  # how a trained head was made, and its validation figures
@@ -70,10 +84,12 @@ def _norm_like(target, hidden_size: int, eps: float) -> nn.Module:
 class MtpHead(nn.Module):
     """One MTP module over a target. Parameters (canonical names in head.safetensors):
     enorm.weight, hnorm.weight, eh_proj.weight [H, 2H], block.* (the decoder layer's own names),
-    norm.weight, head.weight [V, H] (only with own_head), draft_vocab (int64, optional)."""
+    norm.weight, head.weight [V, H] (only with own_head), draft_vocab (int64, optional),
+    fc.weight [H, len(layers) H] (kind eagle3: `layers` given)."""
 
     def __init__(self, target, *, hidden_first: bool = False, own_head: bool = False,
-                 draft_vocab: torch.Tensor | None = None, layer_idx: int | None = None):
+                 draft_vocab: torch.Tensor | None = None, layer_idx: int | None = None,
+                 layers: list[int] | None = None):
         super().__init__()
         cfg = copy.copy(target.config)  # the block's attention implementation is set per use
         H = cfg.hidden_size
@@ -87,6 +103,11 @@ class MtpHead(nn.Module):
             cfg.layer_types = list(types) + ["full_attention"] * (idx + 1 - len(types))
         self.hidden_first = hidden_first
         self.eps = eps
+        self.layers = tuple(int(x) for x in layers or ())
+        L = cfg.num_hidden_layers
+        if self.layers and (len(set(self.layers)) != len(self.layers) or not all(0 <= x <= L for x in self.layers)):
+            raise ValueError(f"an eagle3 head's layers are distinct, in 0..{L}: not {list(self.layers)}")
+        self.fc = nn.Linear(len(self.layers) * H, H, bias=False) if self.layers else None
         self.enorm = _norm_like(target, H, eps)
         self.hnorm = _norm_like(target, H, eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
@@ -104,24 +125,33 @@ class MtpHead(nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def kind(self) -> str:
+        return EAGLE3 if self.layers else KIND
+
     def set_attention(self, implementation: str) -> None:
         """Which attention the block runs: the engine's paged hook, or sdpa/eager for training."""
         self.config._attn_implementation = implementation
         self.block.self_attn.config = self.config
 
-    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor, norm=None) -> torch.Tensor:
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor, norm=None, target: bool = True) -> torch.Tensor:
         """eh_proj's input and product; norm(x, module), if given, computes enorm's and hnorm's
-        RMSNorm in place of the modules (the engine's own kernel)."""
+        RMSNorm in place of the modules (the engine's own kernel). target: `hidden` is the
+        target's readout (an eagle3 head fuses its layers with fc first), not the head's own g."""
+        if self.fc is not None and target:
+            hidden = self.fc(hidden)
         if norm is None:
             e, h = self.enorm(embeds), self.hnorm(hidden)
         else:
             e, h = norm(embeds, self.enorm), norm(hidden, self.hnorm)
         return self.eh_proj(torch.cat([h, e] if self.hidden_first else [e, h], dim=-1))
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings, **block_kwargs) -> torch.Tensor:
-        """embeds, hidden: [B, T, H] -> g [B, T, H], the block's output before the norm (fed back
-        as the next chained step's hidden state)."""
-        out = self.block(self.fuse(embeds, hidden), position_embeddings=position_embeddings, **block_kwargs)
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings, target: bool = True,
+                **block_kwargs) -> torch.Tensor:
+        """embeds: [B, T, H]; hidden: [B, T, H] (eagle3 and target: [B, T, len(layers) H]) -> g
+        [B, T, H], the block's output before the norm (fed back as the next chained step's hidden state)."""
+        out = self.block(self.fuse(embeds, hidden, target=target), position_embeddings=position_embeddings,
+                         **block_kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def output_weight(self, target_head_weight: torch.Tensor) -> torch.Tensor:
@@ -138,6 +168,7 @@ class MtpHead(nn.Module):
         return HeadSpec(name=name, hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size,
                         hidden_first=self.hidden_first, own_head=self.head is not None,
                         draft_vocab_size=None if self.draft_vocab is None else len(self.draft_vocab),
+                        kind=self.kind, layers=list(self.layers),
                         source=source, block=type(self.block).__name__, recipe=dict(recipe or {}))
 
     def save(self, folder: Path, spec: HeadSpec, dtype: torch.dtype | None = None) -> None:
@@ -147,7 +178,7 @@ class MtpHead(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: (v if dtype is None or not v.is_floating_point() else v.to(dtype)).contiguous()
                  for k, v in self.state_dict().items() if v is not None}
-        save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "kind": KIND})
+        save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "kind": self.kind})
         spec.write(folder)
 
 
@@ -155,8 +186,12 @@ def check_compatible(spec: HeadSpec, target) -> None:
     """Raise ValueError when a head cannot run on this target (hidden size, vocabulary)."""
     cfg = target.config
     V = target.get_output_embeddings().out_features
-    if spec.kind != KIND:
-        raise ValueError(f"drafter {spec.name!r} is of kind {spec.kind!r}; only {KIND!r} heads are supported")
+    if spec.kind not in KINDS:
+        raise ValueError(f"drafter {spec.name!r} is of kind {spec.kind!r}; the kinds are {', '.join(KINDS)}")
+    if (spec.kind == EAGLE3) != bool(spec.layers):
+        raise ValueError(f"drafter {spec.name!r}: an {EAGLE3} head names its feature layers, an {KIND} head none")
+    if any(not 0 <= x <= cfg.num_hidden_layers for x in spec.layers):
+        raise ValueError(f"drafter {spec.name!r} fuses layers {spec.layers}; the model has {cfg.num_hidden_layers}")
     if spec.hidden_size != cfg.hidden_size:
         raise ValueError(f"drafter {spec.name!r} has hidden size {spec.hidden_size}, the model {cfg.hidden_size}")
     if spec.vocab_size != V:
@@ -172,7 +207,7 @@ def load_head(folder: Path, target, dtype: torch.dtype | None = None, device=Non
     check_compatible(spec, target)
     state = load_file(str(folder / WEIGHTS_FILE))
     head = MtpHead(target, hidden_first=spec.hidden_first, own_head=spec.own_head,
-                   draft_vocab=state.get("draft_vocab"))
+                   draft_vocab=state.get("draft_vocab"), layers=spec.layers)
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "draft_vocab"]
     if missing or unexpected:

@@ -80,6 +80,9 @@ class TrainConfig:
     # predicted row, from its stored h) against the hard one (its argmax); 0: hard labels only
     soft: float = 1.0
     step_decay: float = 0.7  # loss weight of step s: decay ** (s - 1)
+    # the head's kind: [] an MTP head (the last layer's output); layer indices: an eagle3 head fusing the
+    # inputs of those layers (mtp.default_layers: EAGLE-3's low, middle and high)
+    layers: list[int] = dataclasses.field(default_factory=list)
     init: str = "random"  # "random" (measured best); "block": block + final norm copied from the target's last layer; "target": also eh_proj ~ [0 | I]
     autocast: bool = True  # bfloat16 autocast for the head's matmuls (CPU: avx512_bf16/AMX)
     eval_points: int = 8  # validations during training (for the plot)
@@ -128,10 +131,27 @@ def _tqdm(it=None, **kw):
 
 
 def _gen_meta(cfg: TrainConfig, prompts: list[str]) -> dict:
-    return {"max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "gen_dtype": cfg.gen_dtype,
+    meta = {"max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "gen_dtype": cfg.gen_dtype,
             "features": cfg.features,
             "sample_every": cfg.sample_every, "temperature": cfg.temperature, "seed": cfg.seed,
             "prompts": len(prompts), "first_prompt": prompts[0] if prompts else ""}
+    if cfg.layers and cfg.features == "generate":  # shards then hold those layers' inputs too
+        meta["layers"] = list(cfg.layers)
+    return meta
+
+
+def _layer_hooks(model, layers: list[int], sink: dict) -> list:
+    """Forward pre-hooks keeping the input of each of `layers` (num_layers: the final norm's input)
+    in sink[layer], one tensor per call appended."""
+    dec = model.get_decoder()
+    mods = [dec.norm if c == len(dec.layers) else dec.layers[c] for c in layers]
+    for c in layers:
+        sink[c] = []
+    def keep(c):
+        def hook(_m, args, kwargs):
+            sink[c].append(args[0] if args else kwargs["hidden_states"])
+        return hook
+    return [m.register_forward_pre_hook(keep(c), with_kwargs=True) for m, c in zip(mods, layers)]
 
 
 def until_eos(reply: list[int], eos: list[int]) -> list[int]:
@@ -205,8 +225,9 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
         mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc])
         sample = cfg.sample_every > 0 and k % cfg.sample_every == cfg.sample_every - 1
         kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-        hs, choices = [], []
+        hs, choices, fs = [], [], {}
         handle = gen_model.get_decoder().norm.register_forward_pre_hook(lambda _m, a: hs.append(a[0]))
+        extra = _layer_hooks(gen_model, cfg.layers, fs) if inline and cfg.layers else []
         proc = _ArgmaxRecorder(choices)
         try:
             with torch.random.fork_rng(devices=[]):
@@ -216,6 +237,8 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
                                          logits_processor=LogitsProcessorList([proc]) if inline else None, **kw)
         finally:
             handle.remove()
+            for x in extra:
+                x.remove()
         shard = []
         for b, i in enumerate(idx):
             reply = until_eos(out[b, T:].tolist(), eos)
@@ -226,6 +249,9 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
                 c = torch.full((P + n,), -1, dtype=torch.int32)
                 c[P - 1:P - 1 + n] = torch.stack([x[b] for x in choices[:n]]).to(torch.int32)
                 q.update(ids=torch.tensor(q["ids"], dtype=torch.int32), h=h, choice=c)
+                if cfg.layers:  # the eagle3 head's input: its layers' inputs side by side, per row
+                    q["feat"] = torch.cat([torch.cat([fs[l][0][b, o:]] + [x[b] for x in fs[l][1:n]])
+                                           for l in cfg.layers], -1).to(torch.bfloat16).clone()
             shard.append(q)
         _save_atomic(shard, gdir / f"shard_{k:04d}.pt")
         secs[str(k)] = round(time.time() - ts, 2)
@@ -250,6 +276,7 @@ def capture(target, seqs: list[dict], cfg: TrainConfig, work: Path, batch_tokens
     for q in seqs:
         by_shard.setdefault(q["prompt_index"] // cfg.gen_batch, []).append(q)
     store: dict = {}
+    fs: dict = {}
 
     def hook(_mod, args):
         store["h"] = args[0]
@@ -259,6 +286,7 @@ def capture(target, seqs: list[dict], cfg: TrainConfig, work: Path, batch_tokens
     bar = _tqdm(total=sum(len(q["ids"]) for k in todo for q in by_shard[k]), desc="features", unit="tok",
                 disable=not cfg.progress)
     handle = target.get_decoder().norm.register_forward_pre_hook(hook)
+    extra = _layer_hooks(target, cfg.layers, fs) if cfg.layers else []
     lm_w = target.get_output_embeddings().weight
     try:
         for k in sorted(by_shard):
@@ -279,11 +307,14 @@ def capture(target, seqs: list[dict], cfg: TrainConfig, work: Path, batch_tokens
                 mask = torch.tensor([[1] * len(q["ids"]) + [0] * (L - len(q["ids"])) for q in group])
                 o = target.get_decoder()(input_ids=ids, attention_mask=mask)
                 normed, h = o.last_hidden_state, store.pop("h")
+                layer_in = [fs[c].pop() for c in cfg.layers]
                 for b, q in enumerate(group):
                     n = len(q["ids"])
                     choice = torch.cat([F.linear(normed[b, r:min(r + 512, n)], lm_w).argmax(-1) for r in range(0, n, 512)])
                     feats.append({**q, "ids": torch.tensor(q["ids"], dtype=torch.int32),
                                   "h": h[b, :n].to(torch.bfloat16).clone(), "choice": choice.to(torch.int32)})
+                    if cfg.layers:
+                        feats[-1]["feat"] = torch.cat([x[b, :n] for x in layer_in], -1).to(torch.bfloat16).clone()
                     bar.update(n)
                 i = j
             feats.sort(key=lambda q: q["prompt_index"])
@@ -291,22 +322,25 @@ def capture(target, seqs: list[dict], cfg: TrainConfig, work: Path, batch_tokens
             out_seqs += feats
     finally:
         handle.remove()
+        for x in extra:
+            x.remove()
         bar.close()
     return out_seqs
 
 
-def _reply_rows(q: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(h, next token, label, first trained row) over rows 0..n-2 of a sequence: row j takes h_j and
-    x_{j+1}, its label is c_{j+1}; rows before prompt_len - 1 are context only."""
+def _reply_rows(q: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(h, next token, label, first trained row, the head's input) over rows 0..n-2 of a sequence:
+    row j takes h_j (an eagle3 head: its layers' inputs, "feat") and x_{j+1}, its label is c_{j+1};
+    rows before prompt_len - 1 are context only."""
     ids, choice = q["ids"].long(), q["choice"].long()
     n = len(ids) - 1
-    return q["h"][:n], ids[1:], choice[1:], q["prompt_len"] - 1
+    return q["h"][:n], ids[1:], choice[1:], q["prompt_len"] - 1, q.get("feat", q["h"])[:n]
 
 
 def choose_draft_vocab(seqs: list[dict], vocab_size: int, size: int, coverage: float) -> tuple[torch.Tensor, dict]:
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for q in seqs:
-        _, _, lab, start = _reply_rows(q)
+        _, _, lab, start, _ = _reply_rows(q)
         lab = lab[start:]
         counts += torch.bincount(lab[lab >= 0], minlength=vocab_size)
     total = int(counts.sum())
@@ -350,16 +384,16 @@ class Batch:
         rows = [_reply_rows(q) for q in seqs]
         T = max(len(r[1]) for r in rows)
         B, H = len(rows), rows[0][0].shape[-1]
-        self.h = torch.zeros(B, T, H)
+        self.h = torch.zeros(B, T, rows[0][4].shape[-1])  # the head's input at step 1
         self.nxt = torch.zeros(B, T, dtype=torch.long)
         self.full = torch.zeros(B, T + unroll, dtype=torch.long)  # target choices c_{j+1}, for chained inputs
         self.lab = torch.full((B, T + unroll), IGNORE, dtype=torch.long)  # draft-vocab index of c_{j+1}
         self.raw = torch.full((B, T + unroll), IGNORE, dtype=torch.long)  # c_{j+1}, trained rows only
         self.h_next = torch.zeros(B, T + unroll, H)  # h_{j+1}: where the target chose c_{j+1}
         self.h_next_ok = torch.zeros(B, T + unroll, dtype=torch.bool)
-        for b, (h, nxt, lab, start) in enumerate(rows):
+        for b, (h, nxt, lab, start, x) in enumerate(rows):
             n = len(nxt)
-            self.h[b, :n] = h.float()
+            self.h[b, :n] = x.float()
             self.h_next[b, :n - 1] = h[1:n].float()
             self.h_next_ok[b, :n - 1] = True
             self.nxt[b, :n] = nxt
@@ -385,7 +419,7 @@ def head_steps(head: MtpHead, target, batch: Batch, W: torch.Tensor, steps: int,
         x = embed(tokens)
         pe = rotary(x, pos)
         mask = None if s == 1 else _chain_mask(T, s, x.device)
-        g = head(x, hidden, pe, attention_mask=mask, cache=cache, position_ids=pos)
+        g = head(x, hidden, pe, target=s == 1, attention_mask=mask, cache=cache, position_ids=pos)
         logits = head.logits(g, W)
         yield s, logits
         hidden = g
@@ -558,6 +592,9 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     if cfg.features == "forward":
         seqs = capture(target, seqs, cfg, work)
         t_cap = time.time() - tc
+    if cfg.layers and any("feat" not in q for q in seqs):
+        raise ValueError(f"{work} holds features without the layers {list(cfg.layers)} an eagle3 head reads "
+                         "(made for an MTP head); use another --work-dir")
     val = [q for q in seqs if is_validation(q["prompt_index"], cfg.val_every)]
     trn = [q for q in seqs if not is_validation(q["prompt_index"], cfg.val_every)]
     if not trn or not val:
@@ -576,7 +613,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
         print(f"data: {len(trn)} training / {len(val)} validation sequences, {reply_tokens} reply tokens; "
               f"draft vocabulary {vinfo['size']} ids covering {vinfo['coverage']:.2%} of the labels", file=sys.stderr)
 
-    head = MtpHead(target, draft_vocab=dv)
+    head = MtpHead(target, draft_vocab=dv, layers=cfg.layers or None)
     head.set_attention("sdpa")
     _init_head(head, target, cfg.init)
     head.train()

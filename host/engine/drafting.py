@@ -199,7 +199,7 @@ class HeadRunner:
             p = [firsts[i] + j for i in active]
             sl = [states[live[i]].ws.slot(ri) for i, ri in zip(active, r)]
             last, normed = self._run(ids_j.to(eng.device), last, p, sl, [states[live[i]] for i in active],
-                                     [1] * len(active), r)
+                                     [1] * len(active), r, target=False)
         if temperature > 0:
             for i, b in enumerate(live):
                 st = states[b]
@@ -255,7 +255,7 @@ class HeadRunner:
             st.pending = None
         x = torch.cat(ids).to(eng.device)
         h = torch.cat(hid).to(eng.device, eng.dtype)
-        g, normed = self._run(x, h, pos, slots, states, win, frozen)
+        g, normed = self._run(x, h, pos, slots, states, win, frozen, target=True)
         ends = torch.tensor(list(_cumsum(win)), device=eng.device) - 1
         return g.index_select(0, ends), normed.index_select(0, ends)
 
@@ -263,10 +263,12 @@ class HeadRunner:
         """Whether the chain may write `row`: its page is the working set's and it is in context."""
         return row < len(ws.pages) * ws.pool.page_size and row < self.engine.info.context_len
 
-    def _run(self, ids, hidden, positions, slots, states, windows, frozen) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, ids, hidden, positions, slots, states, windows, frozen,
+             target: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over a ragged batch: pass i (of states[i]'s working set) has `windows[i]` rows
-        from row frozen[i]. Returns the block's output [T, H] (a chain's next hidden state) and its
-        final norm (what the head reads out)."""
+        from row frozen[i]; `hidden` is the target's readout (target) or the chain's own output.
+        Returns the block's output [T, H] (a chain's next hidden state) and its final norm (what the
+        head reads out)."""
         eng = self.engine
         dev = eng.device
         starts = list(_cumsum([0] + windows[:-1]))
@@ -278,11 +280,12 @@ class HeadRunner:
         e = self._embed(ids)[None]
         if self._stack is not None:
             with self.linears.active():
-                g, normed, _ = self._stack.run(self.head.fuse(e[0], hidden.to(e.dtype), self._norm), pos[0], meta)
+                x = self.head.fuse(e[0], hidden.to(e.dtype), self._norm, target=target)
+                g, normed, _ = self._stack.run(x, pos[0], meta)
                 return g, normed
         pe = self._rotary(e, pos)
         with self.linears.active():
-            g = self.head(e, hidden[None].to(e.dtype), pe, position_ids=pos, pie_batch=meta)[0]
+            g = self.head(e, hidden[None].to(e.dtype), pe, target=target, position_ids=pos, pie_batch=meta)[0]
         return g, self.head.norm(g)
 
 

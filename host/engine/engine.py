@@ -96,7 +96,9 @@ def check_shape(window: int, readout: list[int] | None, fold: int | Fold) -> Non
 @dataclass
 class PassOutput:
     logits: torch.Tensor | None  # [len(readout), vocab] float32; None for a pass with logits=False
-    hidden: torch.Tensor | None = None  # [len(readout), hidden_size] f32, before the final norm
+    # [len(readout), hidden_size] f32, the last layer's output before the final norm; with EAGLE-3
+    # heads attached, the inputs of their layers side by side (Engine.head_layers)
+    hidden: torch.Tensor | None = None
     tokens: list[int] | None = None  # the pass's `choose` applied to the logits
     features: torch.Tensor | None = None  # [len(readout), len(features) * hidden_size] f32 (Pass.features)
 
@@ -192,6 +194,13 @@ class Engine:
         self._prenorm: torch.Tensor | None = None
         self._decoder.norm.register_forward_pre_hook(self._keep_prenorm)
         from .drafting import HeadRunner  # here: a model without heads never loads it
+
+        # what the readout's hidden state is: the last layer's output (MTP heads), or the inputs of an
+        # EAGLE-3 head's layers side by side; one readout for every head of the model
+        layer_sets = {tuple(getattr(h, "layers", ())) for h in heads.values()}
+        if len(layer_sets) > 1:
+            raise ValueError(f"a model's draft heads share one hidden readout; these read layers {sorted(layer_sets)}")
+        self.head_layers: tuple[int, ...] = next(iter(layer_sets), ())
 
         self.heads = {n: HeadRunner(self, n, h.to(self.device, self.dtype), cfg.num_hidden_layers + i)
                       for i, (n, h) in enumerate(heads.items())}
@@ -435,7 +444,8 @@ class Engine:
             with torch.inference_mode():
                 return self.run(batch)
         t0 = time.perf_counter()
-        capture = sorted({c for ps in batch.passes for c in ps.features})
+        wants_hidden = any(ps.hidden for ps in batch.passes)
+        capture = sorted({c for ps in batch.passes for c in ps.features} | set(self.head_layers if wants_hidden else ()))
         prenorm, last, captured = self._layers(batch, capture)
         want = [ps.logits for ps in batch.passes]
         rows = batch.readout_index
@@ -448,8 +458,9 @@ class Engine:
             if self._softcap:
                 logits = torch.tanh(logits / self._softcap) * self._softcap
         hidden = None
-        if any(ps.hidden for ps in batch.passes):
-            hidden = prenorm.index_select(0, batch.readout_index).float()
+        if wants_hidden:
+            h = torch.cat([captured[capture.index(c)] for c in self.head_layers], -1) if self.head_layers else prenorm
+            hidden = h.index_select(0, batch.readout_index).float()
         self.model_time_s += time.perf_counter() - t0
         if len(batch.passes) == 1:  # nothing to split (each torch op costs ~10 us after a model call)
             outs = [PassOutput(logits, hidden if batch.passes[0].hidden else None)]

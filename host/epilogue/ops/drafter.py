@@ -52,7 +52,7 @@ define("mtp_draft", F, args=(3, 4), results=2,
        doc="""`mtp_draft(hidden: f32 [R, H], tokens: i64 [n], count: i64 [], [limit: i64 []]; drafter, k,
 temperature=0, seed=0)` -> (drafts i64 [k], n i64 []). The MTP head `drafter` runs over the window rows [0, count) (clamped
 to [0, min(R, n)]): row r pairs the target's hidden state `hidden[r]` (readout on every row from
-row 0) with `tokens[r]`, the token that follows it; the head writes its own KV rows at those rows
+row 0; for an eagle3 head, the inputs of its layers, fused by its fc) with `tokens[r]`, the token that follows it; the head writes its own KV rows at those rows
 (they must be the rows this pass folds). Then it chains: its last row's output drafts d1, which with
 its output state drafts d2, and so on to k drafts: argmax, or with temperature > 0 drawn from the
 head's softmax(logits / temperature) (keyed draws, as `sample`). A head with a restricted draft

@@ -76,7 +76,10 @@ class Instance(Output):
         self.loops: list[DeviceLoop] = []
         self.guest_time_s = 0.0
         self.loop_time_s = 0.0  # model time of the device loops, charged to the compute-time budget
-        self._last_exit = 0.0  # the guest's thread clock, set on its thread (watch_epochs)
+        # the guest's thread clock, set again on its thread (start_guest_clock); from the constructing
+        # thread's clock until then, so host functions called directly (tests) do not charge the
+        # thread's whole past CPU time to the first call
+        self._last_exit = _guest_clock()
         self._epoch_key = None
 
     # ---- handles ---------------------------------------------------------------------
