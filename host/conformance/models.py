@@ -167,3 +167,12 @@ def suite_model(name: str) -> SuiteModel:
     if name not in MODELS:
         raise InvalidArgument(f"unknown conformance model {name!r}; known: {', '.join(MODELS)}")
     return MODELS[name]()
+
+
+def suite_engine(name: str = "tiny"):
+    """An Engine over the suite model `name`, its heads attached: what a host process of its own
+    (a replica of `pie serve --replicas` in the tests) builds."""
+    from ..engine import Engine
+
+    m = suite_model(name)
+    return Engine(m.model, m.tokenizer, name=m.name, kv_pages=m.kv_pages, page_size=m.page_size, heads=m.heads)

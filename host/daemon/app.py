@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,7 +33,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return BadRequest(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
 
 
-def create_app(service: Service) -> FastAPI:
+class Deployment(Protocol):
+    """What a server that is one replica of several (host/cluster) answers for the whole
+    deployment: /health and /metrics over every replica, given this one's own."""
+
+    async def health(self, local: dict) -> dict: ...
+
+    async def metrics(self, local: bytes) -> bytes: ...
+
+
+def create_app(service: Service, deployment: Deployment | None = None) -> FastAPI:
     app = FastAPI(title="pie", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.include_router(openai_routes.router)
@@ -40,15 +50,21 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+        body = service.metrics.render()
+        if deployment is not None:
+            body = await deployment.metrics(body)
+        return Response(body, media_type=service.metrics.content_type)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while the server takes requests, 503 once it is shutting down (open, as /metrics)."""
         adm = service.admission
         ok = not adm.closed
-        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": service.model,
-                             "running": adm.running, "waiting": adm.waiting}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "shutting_down", "model": service.model,
+                "running": adm.running, "waiting": adm.waiting}
+        if deployment is not None:
+            body = await deployment.health(body)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -77,5 +93,5 @@ def create_app(service: Service) -> FastAPI:
                        exempt={("POST", "/v1/inferlets")})
     app.add_middleware(ApiKeys, keys=service.config.api_keys, metrics=service.config.metrics_need_key)
     app.add_middleware(RunningLimit, limit=lim.requests)
-    app.add_middleware(RequestLog, metrics=service.metrics)
+    app.add_middleware(RequestLog, metrics=service.metrics, replica=service.config.replica)
     return app

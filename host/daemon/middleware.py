@@ -41,8 +41,10 @@ class RequestLog:
     """One log line per request when its response ends, and its count by endpoint and status (a
     stream that fails after its 200 began: the error's)."""
 
-    def __init__(self, app, metrics: Metrics):
+    def __init__(self, app, metrics: Metrics, replica: str | None = None):
         self.app, self.metrics = app, metrics
+        self.who = f" [replica {replica}]" if replica else ""  # in a deployment: which replica served it
+        self.replica_header = (b"x-pie-replica", replica.encode()) if replica else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -54,6 +56,8 @@ class RequestLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self.replica_header:
+                    message = {**message, "headers": [*message.get("headers", []), self.replica_header]}
             await send(message)
 
         try:
@@ -63,8 +67,8 @@ class RequestLog:
             status = scope.get("state", {}).get(_FAILED_IN_STREAM, status)
             self.metrics.requests.labels(endpoint(path), str(status)).inc()
             client = scope.get("client") or ("-", 0)
-            log.info("%s %s %s %d %.1f ms", client[0], scope["method"], path, status,
-                     (time.perf_counter() - t0) * 1e3)
+            log.info("%s %s %s %d %.1f ms%s", client[0], scope["method"], path, status,
+                     (time.perf_counter() - t0) * 1e3, self.who)
 
 
 class RunningLimit:

@@ -7,7 +7,6 @@ import asyncio
 import collections
 import json
 import math
-import secrets
 import threading
 import time
 from dataclasses import fields
@@ -17,6 +16,7 @@ from ..errors import PieError
 from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult
 from .errors import BadRequest, NotFound, from_instance_error
+from .ids import instance_id
 from .instances import Instances
 from .inferlets import Inferlet
 
@@ -58,7 +58,7 @@ class Run:
 
     def __init__(self, runs: "Runs", inferlet: Inferlet, args: list[str], limits: Limits, detach: bool,
                  owner: str | None, arrived: float):
-        self.id = f"inst_{secrets.token_hex(12)}"
+        self.id = instance_id(runs.replica)
         self.inferlet, self.args, self.limits, self.detach = inferlet, args, limits, detach
         self.owner = owner  # the key that launched it: only that key sees, attaches to or cancels it
         self.created = int(time.time())
@@ -145,8 +145,8 @@ class Runs:
     """The launched runs by id: running ones, and the last KEEP_ENDED ended ones. A key sees only
     its own: another key's run is as unknown to it as one that never was."""
 
-    def __init__(self, instances: Instances):
-        self.instances = instances
+    def __init__(self, instances: Instances, replica: str | None = None):
+        self.instances, self.replica = instances, replica  # replica: named in every id (None: one server)
         self._runs: dict[str, Run] = {}
         self._ended_ids: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()

@@ -46,6 +46,7 @@ class ServeConfig:
     max_upload_bytes: int = ServeLimits.upload_bytes
     limits: ServeLimits = ServeLimits()  # what one request may cost before an instance runs
     spec_metrics: bool = False  # every answer carries its speculation's metrics (a request may ask alone)
+    replica: str | None = None  # this server's id as a replica of a deployment (host/cluster); None: alone
 
 
 class Service:
@@ -68,7 +69,7 @@ class Service:
                                    config.max_upload_bytes, config.limits.uploads_per_key,
                                    config.limits.upload_storage_per_key)
         runtime.cache.max_loaded = config.limits.loaded_components
-        self.runs = Runs(self.instances)
+        self.runs = Runs(self.instances, config.replica)
         wasm = config.inferlet.read_bytes()
         self.default_inferlet = Inferlet(config.inferlet.stem, hashlib.sha256(wasm).hexdigest(), len(wasm), True,
                                          config.inferlet)
