@@ -3,6 +3,7 @@
     python -m bench.serve [--levels 1,4,8,16] [--prompts 16] [--requests 32] [--max-tokens 96]
                           [--rounds 3] [--dtype auto] [--inferlet text-completion] [--quick]
     python -m bench.serve --multi-turn ...   (conversations, prefix cache on and off: bench/multiturn.py)
+    python -m bench.serve --replicas N ...   (one server against N Ray Serve replicas: bench/replicas.py)
 
 Starts `pie serve` in a subprocess (so the clients do not share its interpreter), then for each
 level sends the same requests (the first --prompts dev prompts in the chat template, cycled to
@@ -235,6 +236,10 @@ def main(argv=None) -> dict:
         from . import multiturn
 
         return multiturn.main([a for a in argv if a != "--multi-turn"])
+    if "--replicas" in argv:  # one server against a Ray Serve deployment: bench/replicas.py
+        from . import replicas
+
+        return replicas.main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--levels", default="1,4,8,16", help="concurrent clients per level (1 always runs first)")

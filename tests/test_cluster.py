@@ -51,7 +51,7 @@ def deployment(tmp_path_factory):
     from host.cluster import deploy
     from host.cluster.replica import ReplicaSpec
 
-    deploy.init_ray(None, num_cpus=4)
+    deploy.init_ray(None, num_cpus=4, log_to_driver=False)
     port = _free_port()
     spec = ReplicaSpec(functools.partial(suite_engine, "tiny"), _config(tmp_path_factory.mktemp("uploads")),
                        Limits(), threads=1, cache_dir=str(TEST_CACHE))

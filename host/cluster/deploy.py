@@ -50,17 +50,18 @@ class Scale:
         return {"autoscaling_config": auto}
 
 
-def init_ray(address: str | None, num_cpus: float | None = None) -> None:
+def init_ray(address: str | None, num_cpus: float | None = None, log_to_driver: bool = True) -> None:
     """Join the cluster at `address` ("auto": the one `ray start` began here), or start one in
-    this process with `num_cpus` logical CPUs."""
+    this process with `num_cpus` logical CPUs. log_to_driver: the replicas' logs (one line per
+    request, naming its replica) are printed here too."""
     for k, v in PROXY_ENV.items():
         os.environ.setdefault(k, v)
     env = {"env_vars": {k: os.environ[k] for k in [*PROXY_ENV, "PIE_HOME"] if k in os.environ}}
     if address is None:
         ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False, runtime_env=env,
-                 log_to_driver=False)
+                 log_to_driver=log_to_driver)
     else:
-        ray.init(address=address, namespace=NAMESPACE, runtime_env=env, log_to_driver=False)
+        ray.init(address=address, namespace=NAMESPACE, runtime_env=env, log_to_driver=log_to_driver)
 
 
 _board = None  # the board's handle: the actor lives while this process holds it

@@ -37,6 +37,8 @@ class ReplicaSpec:
 
 class Replica:
     def __init__(self, spec: ReplicaSpec):
+        if not logging.getLogger().handlers:  # the request log, to the replica's stderr (and the driver's)
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if spec.threads:
             import torch
 
