@@ -1,15 +1,18 @@
 """`pie serve --replicas`: the server as a Ray Serve deployment of two replicas over the suite's
-tiny model, on a local Ray cluster this module starts (logical CPUs, half a CPU and one torch
-thread a replica) and shuts down; compared with one server in this process on the same model."""
+tiny model, on a local Ray cluster the `deployment` fixture starts in a process of its own
+(tests/cluster_deployment.py; logical CPUs, half a CPU and one torch thread a replica) and shuts
+down; compared with one server in this process on the same model."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +24,6 @@ pytest.importorskip("ray.serve")
 from host.conformance.models import suite_engine  # noqa: E402
 from host.daemon.limits import ServeLimits  # noqa: E402
 from host.daemon.service import ServeConfig  # noqa: E402
-from host.runtime.limits import Limits  # noqa: E402
 from test_conformance_daemon import run as conformance  # noqa: E402
 from test_daemon import KEY, Served  # noqa: E402
 from wasm_fixtures import TEST_CACHE, build_inferlet  # noqa: E402
@@ -38,30 +40,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp) -> ServeConfig:
+def config(uploads) -> ServeConfig:
+    """The server's settings, the deployment's replicas' and the in-process reference's alike."""
     wasm = build_inferlet("text-completion")
     # four instances at once (the conformance suite's batched cases), each key may take the
     # tiny model's whole pool (32 pages of 4 rows: four of PROMPTS' completions)
     return ServeConfig(inferlet=wasm, max_instances=4, max_queue=16, api_keys=[KEY, OTHER],
-                       builtin_dir=wasm.parent, upload_dir=tmp, limits=ServeLimits(kv_share_per_key=1.0))
+                       builtin_dir=wasm.parent, upload_dir=uploads, limits=ServeLimits(kv_share_per_key=1.0))
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    from host.cluster import deploy
-    from host.cluster.replica import ReplicaSpec
-
-    deploy.init_ray(None, num_cpus=4, log_to_driver=False)
+    """The deployment in a process of its own (tests/cluster_deployment.py: ray.init's signal
+    handlers would take this process's wasmtime traps), until SIGTERM shuts it down."""
     port = _free_port()
-    spec = ReplicaSpec(functools.partial(suite_engine, "tiny"), _config(tmp_path_factory.mktemp("uploads")),
-                       Limits(), threads=1, cache_dir=str(TEST_CACHE))
+    log = tmp_path_factory.mktemp("deployment") / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "cluster_deployment.py"), str(port),
+                                 str(tmp_path_factory.mktemp("uploads"))], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        deploy.start(spec, deploy.Scale(replicas=2, cpus=0.5), "127.0.0.1", port)
-        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while "ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
         _wait_for_replicas(url, 2)
         yield url
     finally:
-        deploy.stop()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +81,8 @@ def single(tmp_path_factory):
     from host.runtime import Runtime
 
     with Runtime(suite_engine("tiny"), cache_dir=TEST_CACHE) as rt:
-        config = vars(_config(tmp_path_factory.mktemp("uploads-single")))
-        s = Served(rt, config.pop("inferlet"), **config)
+        settings = vars(config(tmp_path_factory.mktemp("uploads-single")))
+        s = Served(rt, settings.pop("inferlet"), **settings)
         yield s
         s.stop()
 

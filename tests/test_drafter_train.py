@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,6 +239,32 @@ def test_resume_continues_from_checkpoint(tmp_path, monkeypatch, target):
     assert abs(full["validation"]["top1"] - done["validation"]["top1"]) < 1e-6
 
 
+def test_a_budget_stops_the_run_checkpointed_and_resume_ends_as_an_uninterrupted_one(tmp_path, monkeypatch, target):
+    """--budget-minutes: at the budget the run stops at the next shard or step, checkpointed; a
+    checkpoint is also written every ckpt_s of the budget's clock. The clock is a counter here: one
+    second a reading."""
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    model, tok = target
+    cfg = _cfg(tmp_path, tokens=400, epochs=3, ckpt_every=1000, eval_points=1)
+    none = T.train(model, tok, T.TrainConfig(**{**cfg.__dict__, "budget_s": 0.0}), prompts=PROMPTS)
+    assert none["interrupted"] and none["steps"] == 0 and not list((tmp_path / "work" / "gen").glob("shard_*"))
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(T, "_now", lambda: float(next(ticks)))
+    saves = []
+    real_save = T._save_atomic
+    monkeypatch.setattr(T, "_save_atomic", lambda obj, path: (saves.append(Path(path).name), real_save(obj, path)))
+    part = T.train(model, tok, T.TrainConfig(**{**cfg.__dict__, "budget_s": 40.0, "ckpt_s": 5.0}), prompts=PROMPTS)
+    assert part["interrupted"] and 0 < part["steps"] < 3 * 40 and (tmp_path / "work" / "ckpt.pt").exists()
+    assert saves.count("ckpt.pt") >= 2  # by the clock (ckpt_every is past the run's steps), and at the stop
+    assert not (tmp_path / "out" / "head.safetensors").exists()
+    monkeypatch.undo()
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    done = T.train(model, tok, T.TrainConfig(**{**cfg.__dict__, "resume": True}), prompts=PROMPTS)
+    full = T.train(model, tok, _cfg(tmp_path / "b", tokens=400, epochs=3, ckpt_every=1000, eval_points=1),
+                   prompts=PROMPTS)
+    assert [round(h["loss"], 4) for h in full["history"]["train"]] == [round(h["loss"], 4) for h in done["history"]["train"]]
+
+
 def test_cli_parser(tmp_path, monkeypatch):
     import argparse
 
@@ -254,6 +281,7 @@ def test_cli_parser(tmp_path, monkeypatch):
     assert args.kind == "mtp" and args.layers is None
     args = parser.parse_args(["train", "m", "--name", "h", "--kind", "eagle3", "--layers", "2,15,27"])
     assert (args.kind, args.layers) == ("eagle3", "2,15,27")
+    assert parser.parse_args(["train", "m", "--name", "h", "--budget-minutes", "45"]).budget_minutes == 45
     cfg = T.TrainConfig(name="h").resolved()
     assert cfg.out == tmp_path / "home" / "drafters" / "h" and cfg.work_dir == tmp_path / "home" / "drafters" / "h.work"
     folder = tmp_path / "m"

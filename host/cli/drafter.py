@@ -52,6 +52,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="the head's initial weights: random (default, measured best), block (block and final norm copied from the target's last layer), target (also eh_proj = [0 | I])")
     p.add_argument("--no-autocast", action="store_true", help="train in float32 (default: bfloat16 autocast)")
     p.add_argument("--resume", action="store_true", help="continue from the work folder's checkpoint")
+    p.add_argument("--budget-minutes", type=float, default=None, metavar="M",
+                   help="stop after M minutes of this run, at the next generation shard or training step, "
+                        "checkpointed (every 50 steps and 10 minutes anyway); --resume goes on (default: no budget)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -101,10 +104,12 @@ def run(args) -> int:
                       max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
                       seed=args.seed, batch=args.batch, gen_batch=args.gen_batch, gen_dtype=args.gen_dtype,
                       unroll=args.unroll, soft=args.soft, features=args.features, init=args.init, autocast=not args.no_autocast, resume=args.resume,
-                      layers=layers,
+                      layers=layers, budget_s=None if args.budget_minutes is None else args.budget_minutes * 60,
                       progress=not args.quiet,
                       command=getattr(args, "command_line", None) or "pie " + shlex.join(sys.argv[1:]))
     res = train(model, tok, cfg)
+    if res["interrupted"]:
+        return 0  # stopped at --budget-minutes, checkpointed: train() said how to go on
     v = res["validation"]
     print(f"saved {res['out']}: validation top-1 {v['top1']:.3f}, step-2 top-1 {v['top1_step2']:.3f}, "
           f"expected accepted drafts (k=1..4) {', '.join(f'{x:.2f}' for x in v['expected_accepted'])}")

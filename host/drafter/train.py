@@ -87,6 +87,10 @@ class TrainConfig:
     autocast: bool = True  # bfloat16 autocast for the head's matmuls (CPU: avx512_bf16/AMX)
     eval_points: int = 8  # validations during training (for the plot)
     ckpt_every: int = 50
+    ckpt_s: float = 600.0  # and at least this often (seconds): a killed run loses at most this much training
+    # this run's wall-clock budget in seconds (None: none): past it the run stops at the next shard or
+    # step, checkpointed, and `resume` continues it
+    budget_s: float | None = None
     seed: int = 0
     resume: bool = False
     max_steps: int | None = None  # cap the schedule at this many optimizer steps
@@ -187,9 +191,14 @@ class _ArgmaxRecorder:
         return scores
 
 
+def _now() -> float:
+    """The clock of the budget and of timed checkpoints (a test's to replace)."""
+    return time.time()
+
+
 @torch.inference_mode()
 def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, folder: str = "gen",
-             first_index: int = 0) -> list[dict]:
+             first_index: int = 0, deadline: float | None = None) -> list[dict]:
     """The target's replies, in shards of `gen_batch` prompts, until `tokens` reply tokens are
     collected; existing shards are reused (a different generation setting needs a fresh work folder).
     Prompt i gets prompt_index first_index + i."""
@@ -217,6 +226,8 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
     tfile = gdir / "seconds.json"  # generation time per shard, so a re-run can report it
     secs = json.loads(tfile.read_text()) if tfile.exists() else {}
     while have < cfg.tokens and k * cfg.gen_batch < len(prompts):
+        if deadline is not None and _now() > deadline:  # the shards so far are kept: a resume goes on
+            break
         ts = time.time()
         idx = list(range(k * cfg.gen_batch, min((k + 1) * cfg.gen_batch, len(prompts))))
         enc = [_encode_prompt(tok, prompts[i]) for i in idx]
@@ -569,20 +580,29 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
         p.requires_grad_(False)
 
     tg = time.time()
+    deadline = None if cfg.budget_s is None else _now() + cfg.budget_s
+    out_of_time = lambda: deadline is not None and _now() > deadline  # noqa: E731
     second = round(cfg.tokens * cfg.context_share)
-    seqs = generate(target, tok, prompts, dataclasses.replace(cfg, tokens=cfg.tokens - second), work)
+    seqs = generate(target, tok, prompts, dataclasses.replace(cfg, tokens=cfg.tokens - second), work,
+                    deadline=deadline)
     rounds = {"first": {"sequences": len(seqs), "reply_tokens": _reply_tokens(seqs)}}
-    if second:
+    if second and not out_of_time():
         shortest = min(40, cfg.max_new_tokens // 2)  # a passage worth working on
         passages = [(q["prompt_index"], text) for q in seqs if len(q["ids"]) - q["prompt_len"] >= shortest
                     for text in [tok.decode(list(q["ids"][q["prompt_len"]:]), skip_special_tokens=True).strip()]
                     if text]
         ctx = context_prompts(passages, len(prompts), len(prompts), cfg.seed, cfg.val_every)
-        more = generate(target, tok, ctx, dataclasses.replace(cfg, tokens=second), work, "gen-context", len(prompts))
+        more = generate(target, tok, ctx, dataclasses.replace(cfg, tokens=second), work, "gen-context", len(prompts),
+                        deadline=deadline)
         rounds["second"] = {"sequences": len(more), "reply_tokens": _reply_tokens(more),
                             "prompt_tokens": sum(q["prompt_len"] for q in more)}
         seqs += more
     t_gen_run = time.time() - tg
+    if out_of_time():  # the data is not all made: the shards so far are kept for --resume
+        if cfg.progress:
+            print(f"stopped at the budget of {cfg.budget_s:.0f} s while generating ({_reply_tokens(seqs)} of "
+                  f"{cfg.tokens} reply tokens); run again with --resume to go on", file=sys.stderr)
+        return {"out": None, "work": work, "history": {"train": [], "val": []}, "steps": 0, "interrupted": True}
     t_gen = 0.0
     for folder in ("gen", "gen-context"):
         f = work / folder / "seconds.json"
@@ -652,13 +672,18 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     weights = [cfg.step_decay ** s for s in range(cfg.unroll)]
     bar = _tqdm(total=total, initial=step, desc="train", unit="step", disable=not cfg.progress)
     first = step
+    last_ckpt = _now()
+
+    def stop_now() -> bool:
+        return (cfg.stop_after is not None and step - first >= cfg.stop_after) or out_of_time()
+
     while step < total:
-        if cfg.stop_after is not None and step - first >= cfg.stop_after:
+        if stop_now():
             break
         epoch, pos = divmod(step, per_epoch)
         batches = _batches(len(trn), cfg.batch, cfg.seed, epoch, lengths)
         for b_idx in batches[pos:]:
-            if step >= total or (cfg.stop_after is not None and step - first >= cfg.stop_after):
+            if step >= total or stop_now():
                 break
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, total, cfg.lr, warmup)
@@ -691,11 +716,15 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
                     bar.write(f"step {step}: val top-1 {v['top1']:.3f}"
                               + (f", step-2 top-1 {v['top1_step2']:.3f}" if "top1_step2" in v else "")
                               + f", val loss {v['loss']:.3f}")
-            if step % cfg.ckpt_every == 0 or step == total:
+            if step % cfg.ckpt_every == 0 or step == total or time.time() - last_ckpt > cfg.ckpt_s:
                 save_ckpt()
+                last_ckpt = _now()
     bar.close()
     if step < total:  # interrupted
         save_ckpt()
+        if cfg.progress and out_of_time():
+            print(f"stopped at the budget of {cfg.budget_s:.0f} s at step {step}/{total} (checkpointed); run again "
+                  "with --resume to go on", file=sys.stderr)
         return {"out": None, "work": work, "history": history, "steps": step, "interrupted": True}
     t_train = t_train_before + time.time() - tt
 
@@ -726,6 +755,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
         "time_s": {"generate": round(t_gen, 1), "generate_this_run": round(t_gen_run, 1),
                    "features": round(t_cap, 1), "train": round(t_train, 1), "total_this_run": round(wall, 1)},
         "host": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "kind": head.kind, "layers": list(head.layers) if head.layers else None,
     }
     spec = head.spec(cfg.name, source="trained", recipe=recipe)
     head.save(out, spec, dtype=torch.bfloat16)
@@ -774,7 +804,11 @@ def _recipe_md(name: str, r: dict) -> str:
         if g["greedy_except_every"] else "all greedy"
     second = (f", a share of {r['context_share']} of them in the second round (rounds: {json.dumps(d['rounds'])})"
               if r.get("context_share") else "")
-    return f"""# {name}: a self-distilled MTP draft head
+    fused = (f"; the inputs of layers {', '.join(map(str, r['layers']))} (the hidden states entering them, side by "
+             "side: the head's fused features, through its fc)" if r.get("kind") == "eagle3" else "")
+    what = "EAGLE-3-style draft head (fused features of three layers)" if r.get("kind") == "eagle3" else \
+        "MTP draft head"
+    return f"""# {name}: a self-distilled {what}
 
 Made by
 
@@ -787,8 +821,8 @@ Data (seed {r['seed']}):
   {g['batch']} prompts, in {g['dtype']}; {sampled}; until {r['tokens_budget']} reply tokens{second}.
 - {d['prompts_train']} training / {d['prompts_val']} validation replies, {d['reply_tokens']} reply tokens
   ({d['train_rows']} training rows, {d['val_rows']} validation rows; {d['rows_total']} rows with the prompts as context).
-- Features: h (the target's last hidden state before its final norm, stored in bfloat16) and the target's
-  argmax at every row, {feats}. Label of row j: the target's own choice at row j+1.
+- Features: h (the target's last hidden state before its final norm, stored in bfloat16){fused} and the
+  target's argmax at every row, {feats}. Label of row j: the target's own choice at row j+1.
 - Draft vocabulary: the {r['draft_vocab']['size']} most frequent training labels, covering
   {r['draft_vocab']['coverage']:.2%} of them ({r['draft_vocab']['distinct_labels']} distinct); {r['draft_vocab_oov']}.
 
