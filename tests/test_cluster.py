@@ -50,14 +50,20 @@ def config(uploads) -> ServeConfig:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def uploads(tmp_path_factory) -> Path:
+    """The replicas' upload folder (one machine: one folder, a cache of the shelf)."""
+    return tmp_path_factory.mktemp("uploads")
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, uploads):
     """The deployment in a process of its own (tests/cluster_deployment.py: ray.init's signal
     handlers would take this process's wasmtime traps), until SIGTERM shuts it down."""
     port = _free_port()
     log = tmp_path_factory.mktemp("deployment") / "log.txt"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "cluster_deployment.py"), str(port),
-                                 str(tmp_path_factory.mktemp("uploads"))], stdout=out, stderr=subprocess.STDOUT)
+                                 str(uploads)], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -214,17 +220,22 @@ def _upload(http, test_inferlet: str) -> str:
     return resp.json()["hash"]
 
 
-def test_an_upload_reaches_every_replica(deployment):
+def test_an_upload_reaches_every_replica(deployment, uploads):
     wasm = build_inferlet("text-completion").read_bytes()
     with _http(deployment) as http:
         resp = http.post("/v1/inferlets?name=mine", content=wasm)
         assert resp.status_code in (200, 201), resp.text
+        digest = resp.json()["hash"]
+        for f in [f for f in uploads.rglob("*") if f.is_file()]:  # as on machines that never saw it:
+            f.unlink()  # only the shelf (Ray's object store) holds the upload now
         seen = set()
         for _ in range(8):
             resp = http.post("/v1/instances", json={"inferlet": "mine", "args": ["--prompt", "a", "--max-tokens", "2"]})
             assert resp.status_code == 201, resp.text
             seen.add(resp.headers["x-pie-replica"])
         assert len(seen) == 2
+        assert (uploads / f"{digest}.wasm").read_bytes() == wasm  # installed from the shelf on first use
+        assert [p["name"] for p in http.get("/v1/inferlets").json()["data"] if p["hash"] == digest and not p["builtin"]] == ["mine"]
 
 
 def test_conformance_suite_passes_against_the_deployment(deployment, tmp_path):

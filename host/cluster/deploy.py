@@ -1,5 +1,5 @@
 """Starting the deployment: Ray Serve's proxy on the server's host and port, the replicas of
-replica.py, the router of router.py, the board; and `pie serve --replicas`' life around them."""
+replica.py, the router of router.py, the board and the shelf; and `pie serve --replicas`' life around them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 from .board import NAMESPACE, Board
 from .replica import Replica, ReplicaSpec
 from .router import PinnedRouter
+from .shelf import ShelfActor
 
 log = logging.getLogger("pie.serve")
 APP = "pie"
@@ -64,13 +65,13 @@ def init_ray(address: str | None, num_cpus: float | None = None, log_to_driver: 
         ray.init(address=address, namespace=NAMESPACE, runtime_env=env, log_to_driver=log_to_driver)
 
 
-_board = None  # the board's handle: the actor lives while this process holds it
+_actors: list = []  # the board's and the shelf's handles: the actors live while this process holds them
 
 
 def start(spec: ReplicaSpec, scale: Scale, host: str, port: int) -> None:
-    """The board, the proxy and the replicas, returning once every replica serves."""
-    global _board
-    _board = Board.options(name=spec.board, namespace=NAMESPACE, get_if_exists=True).remote()
+    """The board, the shelf, the proxy and the replicas, returning once every replica serves."""
+    _actors[:] = [Board.options(name=spec.board, namespace=NAMESPACE, get_if_exists=True).remote(),
+                  ShelfActor.options(name=spec.shelf, namespace=NAMESPACE, get_if_exists=True).remote()]
     serve.start(http_options={"host": host, "port": port})
     limits = spec.serve.limits
     dep = serve.deployment(serve.ingress()(Replica), name="pie", ray_actor_options={"num_cpus": scale.cpus},
@@ -82,9 +83,8 @@ def start(spec: ReplicaSpec, scale: Scale, host: str, port: int) -> None:
 
 
 def stop() -> None:
-    global _board
     serve.shutdown()
-    _board = None
+    _actors.clear()
     ray.shutdown()
 
 

@@ -19,6 +19,7 @@ from ..runtime.limits import Limits
 from ..runtime.runtime import Runtime
 from . import board as board_mod
 from .metrics import merge
+from .shelf import RayShelf
 
 log = logging.getLogger("pie.serve")
 
@@ -33,6 +34,7 @@ class ReplicaSpec:
     threads: int | None = None  # torch threads of the replica (None: torch's default)
     cache_dir: str | None = None  # compiled components (None: the runtime's default)
     board: str = "pie-board"  # the board actor's name (in board.NAMESPACE)
+    shelf: str = "pie-shelf"  # the uploads' actor's name (shelf.py)
 
 
 class Replica:
@@ -46,7 +48,8 @@ class Replica:
         self.id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
         self.runtime = Runtime(spec.engine(), limits=spec.limits, cache_dir=spec.cache_dir)
-        self.service = Service(self.runtime, replace(spec.serve, replica=self.id))
+        shelf = RayShelf(ray.get_actor(spec.shelf, namespace=board_mod.NAMESPACE))
+        self.service = Service(self.runtime, replace(spec.serve, replica=self.id), shelf)
         self.board = ray.get_actor(spec.board, namespace=board_mod.NAMESPACE)
         self._stop = threading.Event()
         self._poster = threading.Thread(target=self._post_loop, name="pie-board-post", daemon=True)
@@ -72,21 +75,17 @@ class Replica:
             except Exception:  # the board is gone (the deployment is shutting down)
                 log.warning("replica %s could not post to the board", self.id, exc_info=True)
 
-    async def _posts(self) -> dict[str, dict]:
-        posts = await self.board.read.remote()
-        return posts
-
     async def health(self, local: dict) -> dict:
         """This replica's /health body, with the deployment's: every replica heard from lately,
         and the running and waiting totals over them."""
-        posts = await self._posts()
+        posts = await self.board.read.remote()
         by = {r: p["health"] | {"age_s": round(p["age_s"], 3)} for r, p in posts.items()}
         by[self.id] = self._health() | {"age_s": 0.0}
         return local | {"replica": self.id, "replicas": len(by), "running": sum(h["running"] for h in by.values()),
                         "waiting": sum(h["waiting"] for h in by.values()), "by_replica": by}
 
     async def metrics(self, local: bytes) -> bytes:
-        posts = await self._posts()
+        posts = await self.board.read.remote()
         texts = {r: p["metrics"] for r, p in posts.items()}
         texts[self.id] = local
         return merge(texts)

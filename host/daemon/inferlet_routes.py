@@ -51,7 +51,7 @@ async def upload(request: Request, name: str | None = None):
 
 @router.get("/inferlets")
 async def list_inferlets(request: Request) -> dict:
-    return {"object": "list", "data": [p.card() for p in _service(request).inferlets.list(owner_of(request))]}
+    return {"object": "list", "data": [p.card() for p in await _service(request).inferlets.listing(owner_of(request))]}
 
 
 class LaunchRequest(BaseModel):
@@ -71,7 +71,7 @@ async def launch(body: LaunchRequest, request: Request):
                          f"{svc.config.limits.inferlet_args}", param="args")
     for arg in body.args:
         utf8_len(arg, "args")
-    inferlet = svc.inferlets.resolve(body.inferlet, owner_of(request))
+    inferlet = await svc.inferlets.find(body.inferlet, owner_of(request))
     limits = capped_limits(body.limits, svc.runtime.limits)
     owner, arrived = await svc.admit(request)  # waits for a slot as a completion does
     run = svc.runs.launch(inferlet, body.args, limits, body.detach, owner, arrived)

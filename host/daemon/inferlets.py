@@ -12,6 +12,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import PieError
 from ..runtime.runtime import Runtime
@@ -48,15 +49,46 @@ class Inferlet:
         return self.name if self.builtin else "custom"
 
 
+Index = dict[str, str | None]  # one key's uploads: sha256 -> the name it gave (None: known by hash)
+
+
+def with_upload(index: Index, digest: str, name: str | None) -> Index:
+    """`index` after an upload of `digest`, named `name` or not: a name is one upload's, so
+    another of the key's loses it; an unnamed upload keeps the name it had."""
+    if name is not None:
+        index = {h: (None if n == name else n) for h, n in index.items()}
+    return index | {digest: name if name is not None else index.get(digest)}
+
+
+class Shelf(Protocol):
+    """Where the replicas of a deployment share their uploads (host.cluster.shelf: Ray's object
+    store), so that one uploaded to any replica is launchable on every machine. Each replica's
+    `upload_dir` is then a cache of it, filled on first use."""
+
+    async def index(self, owner: str | None) -> Index: ...
+
+    async def publish(self, owner: str | None, digest: str, name: str | None, wasm: bytes) -> Index:
+        """An upload (with_upload's rule); the key's index after it."""
+
+    async def add(self, owner: str | None, entries: Index, blobs: dict[str, bytes]) -> Index:
+        """Uploads one replica held and the shelf did not (kept from before the deployment): added
+        where their hash is new, their names where no other upload holds them; the key's index."""
+
+    async def blob(self, digest: str) -> bytes | None: ...
+
+
 class Inferlets:
     """Built-ins are read from `builtin_dir` at each lookup (`make inferlets` may rebuild them);
     uploads are kept in `upload_dir` as HASH.wasm (one file per content, whoever uploaded it) and
     owners/OWNER.json (each key's uploads and their names), so they outlive the server.
-    Compiling goes through Runtime.load: once per content, cached on disk."""
+    Compiling goes through Runtime.load: once per content, cached on disk. With a `shelf`
+    (a replica of a deployment), the shelf holds the uploads and `upload_dir` is a cache of it."""
 
     def __init__(self, runtime: Runtime, builtin_dir: Path, upload_dir: Path, max_bytes: int,
-                 max_count: int = ServeLimits.uploads_per_key, max_total: int = ServeLimits.upload_storage_per_key):
+                 max_count: int = ServeLimits.uploads_per_key, max_total: int = ServeLimits.upload_storage_per_key,
+                 shelf: Shelf | None = None):
         self.runtime, self.builtin_dir, self.upload_dir, self.max_bytes = runtime, builtin_dir, upload_dir, max_bytes
+        self.shelf = shelf
         self.max_count, self.max_total = max_count, max_total  # per key: stored uploads and their bytes
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # built-in -> ((mtime, size), sha256)
         self._lock = threading.Lock()
@@ -75,7 +107,7 @@ class Inferlets:
     def _index_path(self, owner: str | None) -> Path:
         return self.upload_dir / "owners" / f"{owner or ANYONE}.json"
 
-    def _index(self, owner: str | None) -> dict[str, str | None]:
+    def _index(self, owner: str | None) -> Index:
         """The owner's uploads: sha256 -> the name it gave (names are per key; bytes are shared)."""
         try:
             uploads = json.loads(self._index_path(owner).read_text()).get("uploads", {})
@@ -86,7 +118,7 @@ class Inferlets:
     def _uploads(self, owner: str | None) -> list[Inferlet]:
         out = []
         for digest, name in sorted(self._index(owner).items()):
-            path = self.upload_dir / f"{digest}.wasm"
+            path = self._path(digest)
             if path.is_file():
                 out.append(Inferlet(name, digest, path.stat().st_size, False, path))
         return out
@@ -106,6 +138,39 @@ class Inferlets:
                 return p
         raise NotFound(f"no inferlet {name_or_hash!r}: not a built-in's name, nor the name or sha256 of one of "
                        "your uploads (GET /v1/inferlets lists them)", param="inferlet", code="inferlet_not_found")
+
+    async def find(self, name_or_hash: str, owner: str | None = None) -> Inferlet:
+        """resolve, after the shelf's news for `owner` (an upload or a rename on another replica)."""
+        if self.shelf is not None and not any(name_or_hash in (b.name, b.hash) for b in self._builtins()):
+            await self.refresh(owner)
+        return self.resolve(name_or_hash, owner)
+
+    async def listing(self, owner: str | None = None) -> list[Inferlet]:
+        """list, after the shelf's news for `owner`."""
+        await self.refresh(owner)
+        return self.list(owner)
+
+    async def refresh(self, owner: str | None) -> None:
+        """Bring `owner`'s uploads from the shelf into `upload_dir`: its index, and the components
+        this machine lacks (checked against their hash). Uploads only this machine held go to the
+        shelf first. Without a shelf, nothing to do."""
+        if self.shelf is None:
+            return
+        shared, local = await self.shelf.index(owner), self._index(owner)
+        ours = {h: n for h, n in local.items() if h not in shared and self._path(h).is_file()}
+        if ours:
+            shared = await self.shelf.add(owner, ours, {h: self._path(h).read_bytes() for h in ours})
+        for digest in shared:
+            if not self._path(digest).is_file():
+                wasm = await self.shelf.blob(digest)
+                if wasm is not None and hashlib.sha256(wasm).hexdigest() == digest:
+                    _write(self._path(digest), wasm)
+        if shared != local:
+            with self._lock:
+                _write(self._index_path(owner), json.dumps({"uploads": shared}).encode())
+
+    def _path(self, digest: str) -> Path:
+        return self.upload_dir / f"{digest}.wasm"
 
     def _check_quota(self, owner: str | None, digest: str, size: int) -> None:
         index = self._index(owner)
@@ -127,12 +192,13 @@ class Inferlets:
         if name is not None and not NAME.fullmatch(name):
             raise BadRequest(f"name {name!r}: 1 to 64 letters, digits, '.', '_' or '-'", param="name")
         digest = hashlib.sha256(wasm).hexdigest()
+        await self.refresh(owner)  # the quota counts the key's uploads on every replica
         self._check_quota(owner, digest, len(wasm))
         try:  # compiling takes seconds the first time: off the event loop
             await asyncio.to_thread(self.runtime.load, wasm)
         except PieError as e:
             raise BadRequest(f"{e.code}: {e}", param="file", code="invalid_inferlet") from None
-        path = self.upload_dir / f"{digest}.wasm"
+        path = self._path(digest)
         with self._lock:
             self._check_quota(owner, digest, len(wasm))  # another upload of this key may have finished meanwhile
             if not path.is_file():
@@ -140,9 +206,10 @@ class Inferlets:
             index = self._index(owner)
             new = digest not in index
             if new or name is not None:
-                if name is not None:  # a name is one upload's: another of this key's loses it
-                    index = {h: (None if n == name else n) for h, n in index.items()}
-                index[digest] = name if name is not None else index.get(digest)
+                _write(self._index_path(owner), json.dumps({"uploads": with_upload(index, digest, name)}).encode())
+        if self.shelf is not None:
+            index = await self.shelf.publish(owner, digest, name, wasm)
+            with self._lock:
                 _write(self._index_path(owner), json.dumps({"uploads": index}).encode())
         return next(p for p in self._uploads(owner) if p.hash == digest), new
 

@@ -24,7 +24,7 @@ from .limits import ServeLimits
 from ..engine.logprobs import score_tokens
 from .logprobs import Echo, TokenTexts
 from .metrics import Metrics
-from .inferlets import Inferlet, Inferlets
+from .inferlets import Inferlet, Inferlets, Shelf
 from .runs import Runs
 from . import tools
 from .schemas import ChatMessage, Constraint, SamplingRequest, utf8_len
@@ -50,7 +50,8 @@ class ServeConfig:
 
 
 class Service:
-    def __init__(self, runtime: Runtime, config: ServeConfig):
+    def __init__(self, runtime: Runtime, config: ServeConfig, shelf: Shelf | None = None):
+        """shelf: where a deployment's replicas share their uploads (None: one server's folder)."""
         self.runtime = runtime
         self.engine = runtime.engine
         self.config = config
@@ -67,7 +68,7 @@ class Service:
                                    config.limits.kv_share_per_key if config.api_keys else None)
         self.inferlets = Inferlets(runtime, config.builtin_dir, config.upload_dir or pie_home() / "inferlets",
                                    config.max_upload_bytes, config.limits.uploads_per_key,
-                                   config.limits.upload_storage_per_key)
+                                   config.limits.upload_storage_per_key, shelf)
         runtime.cache.max_loaded = config.limits.loaded_components
         self.runs = Runs(self.instances, config.replica)
         wasm = config.inferlet.read_bytes()
@@ -85,12 +86,12 @@ class Service:
         await self.admission.acquire(owner, lambda: client_gone(request))
         return owner, arrived
 
-    def completion_inferlet(self, name: str | None, owner: str | None = None) -> Inferlet:
+    async def completion_inferlet(self, name: str | None, owner: str | None = None) -> Inferlet:
         """The inferlet a completion names (a built-in's or an upload's name, or a sha256), else the default."""
         if name is None:
             return self.default_inferlet
         try:
-            return self.inferlets.resolve(name, owner)
+            return await self.inferlets.find(name, owner)
         except NotFound as e:  # a bad field of the request, as OpenAI reports one
             raise BadRequest(e.message, param="inferlet", code="inferlet_not_found") from None
 
@@ -106,7 +107,7 @@ class Service:
             await asyncio.to_thread(grammars_for(self.engine).compile, c.kind, c.source)
         except GrammarError as e:
             raise BadRequest(f"{c.param}: {e}", param=c.param) from None
-        return self.completion_inferlet(name or CONSTRAINED, owner)
+        return await self.completion_inferlet(name or CONSTRAINED, owner)
 
     def check_model(self, name: str) -> None:
         if name != self.model:
@@ -172,7 +173,7 @@ class Service:
                 self.check_prompt_ids(p)
         c = req.constraint()
         if c is None:
-            inferlet = self.completion_inferlet(req.inferlet, owner_of(request))
+            inferlet = await self.completion_inferlet(req.inferlet, owner_of(request))
         else:
             inferlet = await self.constrained_inferlet(req.inferlet, c, owner_of(request))
             extra += [c.flag, c.source]
