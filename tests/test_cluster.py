@@ -153,7 +153,7 @@ def test_concurrent_requests_spread_over_both_replicas(deployment):
     def one(i):
         client = openai.OpenAI(base_url=deployment + "/v1", api_key=KEY, max_retries=0, timeout=120)
         raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[i % 4], max_tokens=12,
-                                                           temperature=0)
+                                                           temperature=0, user=f"user{i}")  # 16 affinity keys
         return raw.parse().choices[0].text, raw.headers["x-pie-replica"]
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -170,6 +170,26 @@ def test_concurrent_requests_spread_over_both_replicas(deployment):
             break
         time.sleep(0.5)
     assert served == by_header
+
+
+def test_a_conversations_turns_stay_on_its_replica(deployment):
+    """Prefix affinity: each turn to the replica its conversation's key names (the requests one at
+    a time, so no queue is past the slack)."""
+    import json
+
+    from host.cluster.proxy import affinity_key
+    from host.cluster.router import affine
+
+    ids = sorted(_wait_for_replicas(deployment, 2)["by_replica"])
+    with _http(deployment) as http:
+        for c in range(8):  # the tiny model has no chat template: a completion prompt that grows
+            prompt = f"Conversation {c}: " + "the numbers from one to ten, in words, one after another:"
+            for _ in range(3):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+                resp = http.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                assert resp.headers["x-pie-replica"] == affine(affinity_key(json.dumps(body).encode()), ids)
+                prompt += resp.json()["choices"][0]["text"] + " Go on."
 
 
 def test_instances_stay_on_their_replica(deployment):
@@ -314,3 +334,116 @@ def test_the_proxys_plain_errors_are_in_openais_shape():
 
     status, body = _through_proxy(_proxy_500, "/v1/completions")
     assert status == 500 and json.loads(body)["error"]["code"] == "replica_failed"
+
+
+# Prefix affinity: the proxy's conversation key and the router's choice, without Ray's processes.
+def _chat(*turns, **kw) -> bytes:
+    import json
+
+    msgs = [{"role": "system", "content": "Be brief."}]
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
+    return json.dumps({"model": "tiny", "messages": msgs, **kw}).encode()
+
+
+def test_a_conversations_turns_share_its_key():
+    import json
+
+    from host.cluster.proxy import PREFIX_CHARS, affinity_key
+
+    first = affinity_key(_chat("What is a cat?"))
+    assert first is not None and affinity_key(_chat("What is a cat?", "An animal.", "And a dog?")) == first
+    assert affinity_key(_chat("What is a dog?")) != first
+    assert affinity_key(_chat("What is a cat?", user="u1")) == affinity_key(_chat("Hello", user="u1")) != first
+    long = "x" * PREFIX_CHARS
+    assert affinity_key(json.dumps({"model": "tiny", "prompt": long}).encode()) == \
+        affinity_key(json.dumps({"model": "tiny", "prompt": long + " and more", "max_tokens": 3}).encode())
+    assert affinity_key(json.dumps({"prompt": [[1, 2, 3]]}).encode()) == affinity_key(json.dumps({"prompt": [1, 2, 3]}).encode())
+    for bad in (b"{", b"[1]", b'{"model": "tiny"}', b""):
+        assert affinity_key(bad) is None
+
+
+def test_the_proxy_passes_a_completions_body_on_with_its_key():
+    import asyncio
+
+    from host.cluster.proxy import EndCutStreams, _session_header, affinity_key
+    from host.cluster.router import AFFINE
+
+    body = _chat("What is a cat?")
+    seen = {}
+
+    async def app(scope, receive, send):
+        got = b""
+        while True:
+            m = await receive()
+            got += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        seen["body"], seen["headers"] = got, dict(scope["headers"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    parts = [{"type": "http.request", "body": body[:10], "more_body": True},
+             {"type": "http.request", "body": body[10:], "more_body": False}]
+
+    async def receive():
+        return parts.pop(0)
+
+    async def send(m):
+        pass
+
+    scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST",
+             "headers": [(_session_header(), b"pie-pin:someone-elses")]}  # a client's own session id is dropped
+    asyncio.run(EndCutStreams(app)(scope, receive, send))
+    assert seen["body"] == body
+    assert seen["headers"][_session_header()] == (AFFINE + affinity_key(body)).encode()
+
+
+class _Replica:
+    def __init__(self, rid):
+        from collections import namedtuple
+
+        self.replica_id = namedtuple("ReplicaID", "unique_id")(rid)
+
+
+def _router(lens: dict, slack=2, affinity=True):
+    from host.cluster.router import PinnedRouter
+
+    router = PinnedRouter.__new__(PinnedRouter)  # its choice alone: none of Ray's routing state
+    router.initialize_state(affinity=affinity, slack=slack)
+    router._use_replica_queue_len_cache = False
+
+    async def probe(replicas, backoff):
+        return [(r, lens.get(r.replica_id.unique_id)) for r in replicas]
+
+    router._probe_queue_lens = probe
+    return router
+
+
+def _choose(router, replicas, session):
+    import asyncio
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(metadata=SimpleNamespace(session_id=session))
+    ranks = asyncio.run(router.choose_replicas(replicas, req))
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_the_router_sends_a_key_to_its_replica_while_the_load_allows():
+    from host.cluster.router import AFFINE, PIN, affine
+
+    ids = ["r1", "r2", "r3"]
+    replicas = [_Replica(i) for i in ids]
+    keys = [f"k{i}" for i in range(60)]
+    owners = {k: affine(k, ids) for k in keys}
+    assert set(owners.values()) == set(ids)  # the keys spread
+    assert all(affine(k, ids[:2]) == owners[k] for k in keys if owners[k] != "r3")  # r3 gone: only its keys move
+    for k in keys[:10]:
+        want = owners[k]
+        assert _choose(_router({i: 0 for i in ids}), replicas, AFFINE + k)[0] == [want]
+        assert _choose(_router({i: 2 if i == want else 0 for i in ids}), replicas, AFFINE + k)[0] == [want]
+        ranks = _choose(_router({i: 3 if i == want else 0 for i in ids}), replicas, AFFINE + k)
+        assert len(ranks) == 1 and len(ranks[0]) == 2  # too far behind: power of two choices
+        assert len(_choose(_router({i: 0 for i in ids}, affinity=False), replicas, AFFINE + k)[0]) == 2
+        assert len(_choose(_router({i: 0 for i in ids if i != want}), replicas, AFFINE + k)[0]) == 2  # no answer
+    assert _choose(_router({}), replicas, PIN + "r2") == [["r2"]]

@@ -53,6 +53,13 @@ def add_serve_parser(subparsers) -> None:
                    help="logical CPUs each replica holds in Ray's scheduling, fractional allowed (default 1)")
     c.add_argument("--threads-per-replica", type=int, default=None, metavar="T",
                    help="torch threads of each replica (default: torch's own choice)")
+    c.add_argument("--affinity", choices=["on", "off"], default="on",
+                   help="on: a conversation's turns go to one replica (its prefix cache holds their prompt) while "
+                        "its queue is at most --affinity-slack past the shortest; off: power of two choices "
+                        "(default on)")
+    c.add_argument("--affinity-slack", type=int, default=None, metavar="N",
+                   help="requests a conversation's replica may be behind the least loaded before its turn goes "
+                        "elsewhere (default 2)")
     c.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default 1)")
     c.add_argument("--max-replicas", type=int, default=None,
                    help="autoscaling: most replicas; set, Ray Serve scales between the two on ongoing requests")
@@ -115,6 +122,7 @@ def _serve_replicas(args, make_engine, config, limits) -> int:
     try:
         from ..cluster.deploy import Scale, serve_forever
         from ..cluster.replica import ReplicaSpec
+        from ..cluster.router import SLACK, Routing
     except ImportError as e:
         raise InvalidArgument(f"--replicas needs Ray Serve: pip install -e '.[cluster]' ({e})") from None
     replicas = args.replicas if args.replicas is not None else (args.min_replicas or 1)
@@ -126,7 +134,11 @@ def _serve_replicas(args, make_engine, config, limits) -> int:
         raise InvalidArgument("--threads-per-replica must be at least 1")
     if args.max_replicas is not None and not (args.min_replicas or 1) <= replicas <= args.max_replicas:
         raise InvalidArgument("autoscaling needs --min-replicas <= --replicas <= --max-replicas")
+    slack = SLACK if args.affinity_slack is None else args.affinity_slack
+    if slack < 0:
+        raise InvalidArgument("--affinity-slack must be at least 0")
+    routing = Routing(args.affinity == "on", slack)
     scale = Scale(replicas, args.replica_cpus, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
     spec = ReplicaSpec(make_engine, config, limits, threads=args.threads_per_replica)
-    serve_forever(spec, scale, args.host, args.port, args.ray_address)
+    serve_forever(spec, scale, args.host, args.port, args.ray_address, routing)
     return 0

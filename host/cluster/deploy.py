@@ -15,7 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from .board import NAMESPACE, Board
 from .replica import Replica, ReplicaSpec
-from .router import PinnedRouter
+from .router import PinnedRouter, Routing
 from .shelf import ShelfActor
 
 log = logging.getLogger("pie.serve")
@@ -68,7 +68,7 @@ def init_ray(address: str | None, num_cpus: float | None = None, log_to_driver: 
 _actors: list = []  # the board's and the shelf's handles: the actors live while this process holds them
 
 
-def start(spec: ReplicaSpec, scale: Scale, host: str, port: int) -> None:
+def start(spec: ReplicaSpec, scale: Scale, host: str, port: int, routing: Routing = Routing()) -> None:
     """The board, the shelf, the proxy and the replicas, returning once every replica serves."""
     _actors[:] = [Board.options(name=spec.board, namespace=NAMESPACE, get_if_exists=True).remote(),
                   ShelfActor.options(name=spec.shelf, namespace=NAMESPACE, get_if_exists=True).remote()]
@@ -77,7 +77,8 @@ def start(spec: ReplicaSpec, scale: Scale, host: str, port: int) -> None:
     dep = serve.deployment(serve.ingress()(Replica), name="pie", ray_actor_options={"num_cpus": scale.cpus},
                            # our admission queues and refuses (429): Ray's router must not hold requests first
                            max_ongoing_requests=limits.requests,
-                           request_router_config=RequestRouterConfig(request_router_class=PinnedRouter),
+                           request_router_config=RequestRouterConfig(request_router_class=PinnedRouter,
+                                                                     request_router_kwargs=routing.kwargs()),
                            graceful_shutdown_timeout_s=15, **scale.options())
     serve.run(dep.bind(spec), name=APP, route_prefix="/")
 
@@ -88,12 +89,13 @@ def stop() -> None:
     ray.shutdown()
 
 
-def serve_forever(spec: ReplicaSpec, scale: Scale, host: str, port: int, address: str | None) -> None:
+def serve_forever(spec: ReplicaSpec, scale: Scale, host: str, port: int, address: str | None,
+                  routing: Routing = Routing()) -> None:
     """`pie serve --replicas`: start, then serve until SIGINT/SIGTERM, then shut the deployment
     down (each replica cancels its instances, as one server does)."""
     init_ray(address, None if address else max(os.cpu_count() or 1, scale.cpus * scale.replicas))
     try:
-        start(spec, scale, host, port)
+        start(spec, scale, host, port, routing)
         log.info("serving on http://%s:%d with %s replica(s)", host, port,
                  scale.replicas if scale.max_replicas is None else f"{scale.min_replicas}..{scale.max_replicas}")
         done = threading.Event()

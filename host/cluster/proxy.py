@@ -1,17 +1,23 @@
 """What Ray Serve's HTTP proxy adds to every request (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
 host.cluster.proxy.middlewares, set by `pie serve --replicas`): a call on an instance carries its
-replica's pin for the router (router.py); a stream whose replica died ends with an error event,
+replica's pin for the router (router.py), a completion its conversation's key; a stream whose replica died ends with an error event,
 as the server ends a stream that fails, never with a cut connection; the proxy's own plain-text
 errors (a replica that died before answering, none up) are in OpenAI's shape."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 
+from ..daemon import sse
 from ..daemon.errors import APIError
-from .router import PIN, pinned_replica
+from .router import AFFINE, PIN, pinned_replica
 
 INSTANCES = "/v1/instances/"
+COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
+PREFIX_CHARS = 64  # a completion prompt's conversation key: its first characters
+PREFIX_IDS = 16  # or its first token ids
 
 
 def _failed(status: int) -> APIError:
@@ -24,10 +30,10 @@ def _failed(status: int) -> APIError:
 def _end_of_stream(path: str) -> bytes:
     """The error event that ends a cut stream: the inferlet API's `error` event, or OpenAI's
     error chunk and [DONE]."""
-    body = json.dumps(_failed(502).body())
+    body = _failed(502).body()
     if path.startswith(INSTANCES):
-        return f"event: error\ndata: {body}\n\n".encode()
-    return f"data: {body}\n\ndata: [DONE]\n\n".encode()
+        return sse.event("error", body).encode()
+    return (sse.data(body) + sse.data(sse.DONE)).encode()
 
 
 class EndCutStreams:
@@ -38,6 +44,10 @@ class EndCutStreams:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope = pinned(scope)
+        if scope.get("method") == "POST" and scope.get("path") in COMPLETIONS:
+            receive, key = await _keyed(receive)
+            if key is not None:
+                scope = _with_session(scope, AFFINE + key)
         state = {"started": False, "ended": False, "stream": False, "held": None}
 
         async def watch(message):
@@ -69,21 +79,74 @@ class EndCutStreams:
                 await _send_error(send, _failed(state["held"]))
 
 
+@functools.cache
 def _session_header() -> bytes:
     from ray.serve._private.constants import SERVE_SESSION_ID  # where the proxy reads the session id
 
     return SERVE_SESSION_ID.lower().encode()
 
 
+def _with_session(scope: dict, session: str | None) -> dict:
+    """`scope` with Ray's session-id header set to `session` (None: none; a client's own is dropped)."""
+    key = _session_header()
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower().replace(b"_", b"-") != key.replace(b"_", b"-")]
+    if session is not None:
+        headers.append((key, session.encode()))
+    return {**scope, "headers": headers}
+
+
 def pinned(scope: dict) -> dict:
     """The request with its pin as its session id: its replica's on an instance's path, none
     elsewhere (a client's own session id would pin nothing, and is dropped)."""
-    key = _session_header()
-    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower().replace(b"_", b"-") != key.replace(b"_", b"-")]
     replica = pinned_replica(scope.get("path", ""))
-    if replica is not None:
-        headers.append((key, (PIN + replica).encode()))
-    return {**scope, "headers": headers}
+    return _with_session(scope, None if replica is None else PIN + replica)
+
+
+def affinity_key(body: bytes) -> str | None:
+    """A completion's conversation, as far as its body shows one: the `user` it names, else a
+    chat's messages up to its first user message (system prompt and first question: every later
+    turn repeats them), else its prompt's first PREFIX_CHARS characters (PREFIX_IDS token ids;
+    a batch's first prompt). None for a body that is not such JSON (the server refuses it)."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(req, dict):
+        return None
+    if isinstance(req.get("user"), str) and req["user"]:
+        head = ["user", req["user"]]
+    elif isinstance(req.get("messages"), list):
+        msgs = req["messages"]
+        first = next((i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"), len(msgs) - 1)
+        head = ["chat", req.get("model"), msgs[:first + 1]]
+    elif "prompt" in req:
+        p = req["prompt"]
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch: its first prompt
+        head = ["prompt", req.get("model"), p[:PREFIX_CHARS] if isinstance(p, str) else p[:PREFIX_IDS]
+                if isinstance(p, list) else None]
+    else:
+        return None
+    return hashlib.sha256(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+async def _keyed(receive):
+    """(a receive that replays the request's body, the body's affinity_key): the body is read
+    whole first (the server bounds it; its own limits answer a body too large)."""
+    held, body = [], bytearray()
+    while True:
+        message = await receive()
+        held.append(message)
+        if message["type"] != "http.request":
+            break
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            break
+
+    async def replay():
+        return held.pop(0) if held else await receive()
+
+    return replay, affinity_key(bytes(body))
 
 
 async def _send_error(send, e: APIError) -> None:

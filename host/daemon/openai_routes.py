@@ -13,7 +13,8 @@ from .errors import APIError, ClientGone, NotFound
 from .middleware import failed_in_stream
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, client_gone
-from .shapes import ChatShape, CompletionShape, Ended, sse
+from . import sse
+from .shapes import ChatShape, CompletionShape, Ended
 
 router = APIRouter(prefix="/v1")
 
@@ -69,10 +70,10 @@ def _echoed(plans, shape: CompletionShape, stream: bool):
     def chunks():
         for i in range(len(plans)):
             for c in shape.ends(i, end):
-                yield sse(c)
+                yield sse.data(c)
         if shape.include_usage:
-            yield sse(shape.usage_chunk(usage))
-        yield sse("[DONE]")
+            yield sse.data(shape.usage_chunk(usage))
+        yield sse.data(sse.DONE)
     return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -125,16 +126,16 @@ async def _events(request: Request, choices: Choices, shape: CompletionShape | C
     try:
         async for i, item in choices.events():
             for chunk in shape.ends(i, item) if isinstance(item, Ended) else shape.deltas(i, item):
-                yield sse(chunk)
+                yield sse.data(chunk)
     except APIError as e:  # the response has begun: the error goes in the stream, as vLLM sends it
         failed_in_stream(request, e)
-        yield sse(e.body())
+        yield sse.data(e.body())
     else:
         last = shape.usage_chunk(choices.usage()) if shape.include_usage else None
         if metrics:  # in the usage chunk, else in one of its own (no choices) after the last choice's
             last = (last or shape.chunk(None)) | {"metrics": choices.spec_metrics()}
         if last is not None:
-            yield sse(last)
+            yield sse.data(last)
     finally:
         choices.abandon()  # cancelled before its text began: the instances must not run on alone
-    yield sse("[DONE]")
+    yield sse.data(sse.DONE)

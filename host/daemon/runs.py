@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import math
 import threading
 import time
@@ -15,6 +14,7 @@ from typing import AsyncIterator
 from ..errors import PieError
 from ..runtime.limits import Limits
 from ..runtime.runtime import RunHandle, RunResult
+from . import sse
 from .errors import BadRequest, NotFound, from_instance_error
 from .ids import instance_id
 from .instances import Instances
@@ -48,10 +48,6 @@ def capped_limits(asked: dict[str, float], server: Limits) -> Limits:
         raise BadRequest(str(e), param="limits") from None
 
 
-def sse_event(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 class Run:
     """One launched instance. Its events are `text` as it streams, then at the end `tokens`,
     `stats`, `return` (the RunResult as `pie run --json` prints it) and, if it failed, `error`."""
@@ -80,7 +76,7 @@ class Run:
             pass
 
     def _on_text(self, text: str) -> None:
-        self._post(self._append, sse_event("text", {"text": text}))
+        self._post(self._append, sse.event("text", {"text": text}))
 
     def _on_result(self, result: RunResult) -> None:
         self._post(self._end, result)
@@ -92,12 +88,12 @@ class Run:
         grew.set()
 
     def _end(self, result: RunResult) -> None:
-        self._append(sse_event("tokens", {"token_ids": result.token_ids}))
-        self._append(sse_event("stats", result.stats))
-        self._append(sse_event("return", result.to_json()))
+        self._append(sse.event("tokens", {"token_ids": result.token_ids}))
+        self._append(sse.event("stats", result.stats))
+        self._append(sse.event("return", result.to_json()))
         if not result.ok:
             err = from_instance_error(result.error or "internal: no error given", result.returned)
-            self._append(sse_event("error", err.body() | {"log": result.log}))
+            self._append(sse.event("error", err.body() | {"log": result.log}))
         self.result = result  # last: an attach that sees it has every event
         self._runs._ended(self)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,11 +25,6 @@ class Ended:
 
     finish_reason: str
     limit: str | None = None
-
-
-def sse(obj: dict | str) -> str:
-    """One server-sent event: `data: JSON` (or `data: [DONE]`)."""
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class _Shape:
