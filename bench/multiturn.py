@@ -2,6 +2,12 @@
 
     python -m bench.serve --multi-turn [--conversations 8] [--turns 5] [--clients 4] [--max-tokens 64]
                                        [--rounds 2] [--dtype auto] [--inferlet text-completion]
+                                       [--replicas N]
+
+With --replicas N, the contenders are two deployments of N replicas of one thread, prefix cache on
+in both: `--affinity on` (a conversation's turns to one replica) against `--affinity off` (power
+of two choices), started one after the other each round (two local Ray clusters do not share a
+machine), so a round's numbers are each deployment's first; results/multiturn-affinity.*.
 
 Two `pie serve` subprocesses, `--prefix-caching on` and `--prefix-caching off`, each sent the same
 conversations, one server at a time, interleaved (on, off, on, off, ...: a shared machine's speed
@@ -107,32 +113,52 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--inferlet", default="text-completion", help="pie serve --default-inferlet")
+    ap.add_argument("--replicas", type=int, default=None, help="compare --affinity on/off over N replicas")
     args = ap.parse_args(argv)
     starts = [r["prompt"] for r in load_prompts(args.conversations)]
-    modes = ("on", "off")
-    servers = {}
+    if args.replicas:
+        what, name = f"prefix affinity over {args.replicas} replicas", "multiturn-affinity"
+        deploy = ["--replicas", str(args.replicas), "--threads-per-replica", "1", "--replica-cpus", "1"]
+        modes = {m: deploy + ["--affinity", m] for m in ("on", "off")}
+    else:
+        what, name = "prefix cache", "multiturn"
+        modes = {m: ["--prefix-caching", m] for m in ("on", "off")}
+    servers: dict = {}
     runs: dict[str, list] = {m: [] for m in modes}
     walls = {m: 0.0 for m in modes}
+
+    def start(m):
+        servers[m] = Server(SimpleNamespace(dtype=args.dtype, model=args.model, inferlet=args.inferlet,
+                                            extra=modes[m]), args.clients)
+        if args.replicas:
+            from .replicas import _wait_replicas
+
+            _wait_replicas(servers[m], args.replicas)
+        run_conversations(servers[m].url, servers[m].model, ["Hello"], 2, 1, 4)  # warm-up
+
     try:
-        for m in modes:
-            servers[m] = Server(SimpleNamespace(dtype=args.dtype, model=args.model, inferlet=args.inferlet,
-                                                extra=["--prefix-caching", m]), args.clients)
-            run_conversations(servers[m].url, servers[m].model, ["Hello"], 2, 1, 4)  # warm-up
+        if not args.replicas:
+            for m in modes:
+                start(m)
         for r in range(args.rounds):
             for m in modes:
+                if args.replicas:
+                    start(m)
                 got, wall = run_conversations(servers[m].url, servers[m].model, starts, args.turns, args.clients,
                                               args.max_tokens)
+                if args.replicas:
+                    servers.pop(m).stop()
                 runs[m].append(got)
                 walls[m] += wall
-                print(f"round {r + 1}, cache {m}: {wall:.1f} s", flush=True)
+                print(f"round {r + 1}, {what} {m}: {wall:.1f} s", flush=True)
     finally:
         for s in servers.values():
             s.stop()
     result = summarize(runs, walls, args)
-    result.update(machine=machine(), args=vars(args), prompts=starts)
+    result.update(machine=machine(), args=vars(args), prompts=starts, compared=what)
     md = report(result)
-    write("multiturn", result, md)
-    chart(result)
+    write(name, result, md)
+    chart(result, name)
     print(md)
     return result
 
@@ -171,7 +197,8 @@ def report(res: dict) -> str:
         rows.append([t + 1, on["ttft_p50_s"] * 1e3, on["ttft_p90_s"] * 1e3, off["ttft_p50_s"] * 1e3,
                      off["ttft_p90_s"] * 1e3, on["ttft_p50_s"] / off["ttft_p50_s"], on["computed_tokens"],
                      off["computed_tokens"], on["requests"]])
-    return (f"Multi-turn chat, pie serve ({a['inferlet']}, dtype {a['dtype']}), {a['conversations']} conversations "
+    return (f"Multi-turn chat, pie serve ({a['inferlet']}, dtype {a['dtype']}), {res['compared']} on against off, "
+            f"{a['conversations']} conversations "
             f"of {a['turns']} turns from the dev prompts, {a['clients']} at a time, max_tokens {a['max_tokens']}, "
             f"greedy, {a['rounds']} interleaved rounds per server. Machine: {res['machine']}.\n\n"
             + table(["turn", "on: TTFT p50 ms", "on: p90 ms", "off: TTFT p50 ms", "off: p90 ms", "on/off p50",
@@ -180,13 +207,14 @@ def report(res: dict) -> str:
             f"conversations lost {res['lost']}, mixed up {res['mixed']}.")
 
 
-def chart(res: dict) -> None:
+def chart(res: dict, name: str = "multiturn") -> None:
     from .common import bar_chart
 
     turns = [str(t["turn"]) for t in res["servers"]["on"]["turns"]]
-    bar_chart("multiturn", [f"turn {t}" for t in turns],
-              {f"cache {m}": [t["ttft_p50_s"] * 1e3 for t in res["servers"][m]["turns"]] for m in ("on", "off")},
-              "TTFT p50 (ms)", title="multi-turn chat: time to first token per turn")
+    bar_chart(name, [f"turn {t}" for t in turns],
+              {f"{res['compared']} {m}": [t["ttft_p50_s"] * 1e3 for t in res["servers"][m]["turns"]]
+               for m in ("on", "off")},
+              "TTFT p50 (ms)", title=f"multi-turn chat: time to first token per turn, {res['compared']}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python -m bench.serve [--levels 1,4,8,16] [--prompts 16] [--requests 32] [--max-tokens 96]
                           [--rounds 3] [--dtype auto] [--inferlet text-completion] [--quick]
-    python -m bench.serve --multi-turn ...   (conversations, prefix cache on and off: bench/multiturn.py)
+    python -m bench.serve --multi-turn ...   (conversations, prefix cache on and off: bench/multiturn.py;
+                                              with --replicas N: prefix affinity on and off)
     python -m bench.serve --replicas N ...   (one server against N Ray Serve replicas: bench/replicas.py)
 
 Starts `pie serve` in a subprocess (so the clients do not share its interpreter), then for each
