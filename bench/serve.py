@@ -5,6 +5,7 @@
     python -m bench.serve --multi-turn ...   (conversations, prefix cache on and off: bench/multiturn.py;
                                               with --replicas N: prefix affinity on and off)
     python -m bench.serve --replicas N ...   (one server against N Ray Serve replicas: bench/replicas.py)
+    python -m bench.serve --autoscale MAX ...  (a deployment scaling 1..MAX under load: bench/autoscale.py)
 
 Starts `pie serve` in a subprocess (so the clients do not share its interpreter), then for each
 level sends the same requests (the first --prompts dev prompts in the chat template, cycled to
@@ -53,6 +54,7 @@ class Sample:
     text: str = ""
     tokens: int = 0
     error: str | None = None
+    replica: str | None = None  # x-pie-replica: which replica of a deployment answered
 
     @property
     def ttft(self) -> float | None:
@@ -62,11 +64,14 @@ class Sample:
         return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
 
 
-def _stream(http, model: str, prompt: str, max_tokens: int, sample: Sample) -> None:
+def _stream(http, model: str, prompt: str, max_tokens: int, sample: Sample, user: str | None = None) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if user is not None:
+        body["user"] = user
     text, done = [], False
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        sample.replica = resp.headers.get("x-pie-replica")
         if resp.status_code != 200:
             sample.error = f"{resp.status_code}: {resp.read().decode(errors='replace')[:200]}"
             return
@@ -237,6 +242,10 @@ def main(argv=None) -> dict:
         from . import multiturn
 
         return multiturn.main([a for a in argv if a != "--multi-turn"])
+    if "--autoscale" in argv:  # a deployment scaling under load and back: bench/autoscale.py
+        from . import autoscale
+
+        return autoscale.main(argv)
     if "--replicas" in argv:  # one server against a Ray Serve deployment: bench/replicas.py
         from . import replicas
 

@@ -65,6 +65,10 @@ def add_serve_parser(subparsers) -> None:
                    help="autoscaling: most replicas; set, Ray Serve scales between the two on ongoing requests")
     c.add_argument("--target-ongoing-requests", type=float, default=None,
                    help="autoscaling: requests a replica should have in flight (Ray Serve's default if unset)")
+    c.add_argument("--upscale-delay-s", type=float, default=None,
+                   help="autoscaling: seconds the load must call for more replicas before one starts (Ray's default 30)")
+    c.add_argument("--downscale-delay-s", type=float, default=None,
+                   help="autoscaling: seconds the load must call for fewer before one stops (Ray's default 600)")
     serve_limits.add_flags(p)  # what one client may cost before an instance runs
     add_flags(p)  # each instance's limits: a launch may ask for less, never more
     p.set_defaults(func=cmd_serve)
@@ -138,7 +142,10 @@ def _serve_replicas(args, make_engine, config, limits) -> int:
     if slack < 0:
         raise InvalidArgument("--affinity-slack must be at least 0")
     routing = Routing(args.affinity == "on", slack)
-    scale = Scale(replicas, args.replica_cpus, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
+    if any(x is not None and x < 0 for x in (args.upscale_delay_s, args.downscale_delay_s)):
+        raise InvalidArgument("--upscale-delay-s and --downscale-delay-s must be at least 0")
+    scale = Scale(replicas, args.replica_cpus, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
+                  args.upscale_delay_s, args.downscale_delay_s)
     spec = ReplicaSpec(make_engine, config, limits, threads=args.threads_per_replica)
     serve_forever(spec, scale, args.host, args.port, args.ray_address, routing)
     return 0

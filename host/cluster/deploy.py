@@ -40,14 +40,17 @@ class Scale:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
+    upscale_delay_s: float | None = None  # how long the load must call for more replicas (Ray's default 30)
+    downscale_delay_s: float | None = None  # ... for fewer (Ray's default 600)
 
     def options(self) -> dict:
         if self.max_replicas is None:
             return {"num_replicas": self.replicas}
         auto = {"min_replicas": self.min_replicas if self.min_replicas is not None else 1,
                 "max_replicas": self.max_replicas, "initial_replicas": self.replicas}
-        if self.target_ongoing_requests is not None:
-            auto["target_ongoing_requests"] = self.target_ongoing_requests
+        for k in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, k) is not None:
+                auto[k] = getattr(self, k)
         return {"autoscaling_config": auto}
 
 
