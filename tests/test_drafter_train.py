@@ -128,6 +128,49 @@ def test_inline_layer_features_match_a_forward(tmp_path, target):
                                    atol=2e-2, rtol=2e-2)
 
 
+def _engine_factory(model, tok, made: list):
+    import copy
+
+    from host.engine import Engine
+    from host.engine.compute import compute
+
+    def factory(pages):
+        made.append(pages)
+        return compute().call(lambda: Engine(copy.deepcopy(model), tok, kv_pages=pages, prefix_caching=False,
+                                             suffix_tokens=0))
+    return factory
+
+
+def test_engine_replies_and_features_match_a_forward(tmp_path, target):
+    """Issue 54 item 3: replies from the engine's batched passes (greedy, and a sampled shard),
+    with each row's features and argmax read out of the same passes, are what a plain forward
+    over prompt + reply gives; greedy replies are the argmax chain; the pool is sized once."""
+    model, tok = target
+    made = []
+    cfg = _cfg(tmp_path, tokens=16 * 24, layers=[0, 1, 2], generator="engine", sample_every=2).resolved()
+    seqs = T.generate(model, tok, PROMPTS[:16], cfg, tmp_path / "w1", engine_factory=_engine_factory(model, tok, made))
+    assert len(made) == 1 and len(seqs) == 16 and [q["sampled"] for q in seqs] == [False] * 8 + [True] * 8
+    plain = [{k: (v.tolist() if k == "ids" else v) for k, v in q.items() if k not in ("h", "choice", "feat")}
+             for q in seqs]
+    ref = T.capture(model, plain, dataclasses.replace(cfg, generator="hf"), tmp_path / "w2")
+    differs = 0
+    for a, b in zip(seqs, ref):
+        L, P = len(a["ids"]), a["prompt_len"]
+        assert a["h"].shape == (L - 1, 64) and a["feat"].shape == (L - 1, 3 * 64)
+        torch.testing.assert_close(a["feat"].float(), b["feat"][:L - 1].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(a["h"].float(), b["h"][:L - 1].float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(a["choice"][P - 1:L - 1], b["choice"][P - 1:L - 1])
+        assert (a["choice"][:P - 1] == -1).all()
+        follows = torch.equal(a["choice"][P - 1:L - 1].long(), a["ids"][P:].long())
+        assert follows or a["sampled"]
+        differs += not follows
+    assert differs > 0  # the sampled shard sampled
+    again = T.generate(model, tok, PROMPTS[:16], cfg, tmp_path / "w1", engine_factory=None)  # shards reused
+    assert all(torch.equal(x["ids"], y["ids"]) for x, y in zip(again, seqs))
+    with pytest.raises(ValueError, match="other settings"):  # replies of another generator are not mixed in
+        T.generate(model, tok, PROMPTS[:16], dataclasses.replace(cfg, generator="hf"), tmp_path / "w1")
+
+
 def test_train_tiny_eagle3_head(tmp_path, monkeypatch, target):
     """Issue 54: a head of kind eagle3 trains on its layers' inputs (step 1) and its own output
     (chained steps), saves its kind and layers, and loads."""

@@ -37,6 +37,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch", type=int, default=d.gen_batch, help=f"prompts per generation batch (default {d.gen_batch})")
     p.add_argument("--gen-dtype", default=d.gen_dtype, choices=["bfloat16", "float32", "auto"],
                    help="dtype the replies are generated in (features always use the model's own; default bfloat16)")
+    p.add_argument("--generator", default=d.generator, choices=["hf", "engine"],
+                   help="who writes the replies: transformers' generate in --gen-dtype (hf), or the engine's batched "
+                        "passes on the model as served, its features read out of the same passes (engine; "
+                        f"default {d.generator})")
     p.add_argument("--features", default=d.features, choices=["generate", "forward"],
                    help="capture h and the target's argmax while generating (default, fast) or by one more "
                         "forward of the model in its own dtype (exact, slower)")
@@ -73,6 +77,22 @@ def _resolve_model(model: str) -> Path:
     return folder if (folder / "config.json").exists() else paths.models_dir() / rec.name
 
 
+def _engine(folder, tok, kv_pages: int):
+    """The engine that generates with --generator engine: the model as served (a GGUF import's
+    blocks kept), float32, a pool of kv_pages; built on the compute thread, as every engine."""
+    import torch
+
+    from .. import weights
+    from ..engine import Engine
+    from ..engine.compute import compute
+
+    def build():
+        m = weights.load(folder, torch.float32, torch.device("cpu"), keep=True).eval()
+        return Engine(m, tok, name=folder.name, kv_pages=kv_pages, prefix_caching=False, suffix_tokens=0)
+
+    return compute().call(build)
+
+
 def run(args) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -103,11 +123,12 @@ def run(args) -> int:
                       context_share=args.context_share, word_prompts=not args.no_word_prompts,
                       max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
                       seed=args.seed, batch=args.batch, gen_batch=args.gen_batch, gen_dtype=args.gen_dtype,
+                      generator=args.generator,
                       unroll=args.unroll, soft=args.soft, features=args.features, init=args.init, autocast=not args.no_autocast, resume=args.resume,
                       layers=layers, budget_s=None if args.budget_minutes is None else args.budget_minutes * 60,
                       progress=not args.quiet,
                       command=getattr(args, "command_line", None) or "pie " + shlex.join(sys.argv[1:]))
-    res = train(model, tok, cfg)
+    res = train(model, tok, cfg, engine_factory=lambda pages: _engine(folder, tok, pages))
     if res["interrupted"]:
         return 0  # stopped at --budget-minutes, checkpointed: train() said how to go on
     v = res["validation"]

@@ -64,6 +64,9 @@ class TrainConfig:
     max_new_tokens: int = 192
     gen_batch: int = 128
     gen_dtype: str = "bfloat16"  # the dtype replies are generated in ("auto" = the target's dtype)
+    # who generates the replies: "hf" (transformers' generate in gen_dtype) or "engine" (the engine's
+    # batched passes on the model as served: engine_gen.py)
+    generator: str = "hf"
     features: str = "generate"  # "generate": h and argmax captured while generating (in gen_dtype);
     #                             "forward": one more forward of the target in its own dtype (exact, slower)
     sample_every: int = 4  # every n-th generation batch samples (temperature) instead of greedy; 0: never
@@ -135,6 +138,10 @@ def _tqdm(it=None, **kw):
 
 
 def _gen_meta(cfg: TrainConfig, prompts: list[str]) -> dict:
+    if cfg.generator == "engine":  # the engine's own passes: the model as served, float32, features inline
+        return {"generator": "engine", "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch,
+                "sample_every": cfg.sample_every, "temperature": cfg.temperature, "seed": cfg.seed,
+                "prompts": len(prompts), "first_prompt": prompts[0] if prompts else "", "layers": list(cfg.layers)}
     meta = {"max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "gen_dtype": cfg.gen_dtype,
             "features": cfg.features,
             "sample_every": cfg.sample_every, "temperature": cfg.temperature, "seed": cfg.seed,
@@ -198,10 +205,11 @@ def _now() -> float:
 
 @torch.inference_mode()
 def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, folder: str = "gen",
-             first_index: int = 0, deadline: float | None = None) -> list[dict]:
+             first_index: int = 0, deadline: float | None = None, engine_factory=None) -> list[dict]:
     """The target's replies, in shards of `gen_batch` prompts, until `tokens` reply tokens are
     collected; existing shards are reused (a different generation setting needs a fresh work folder).
-    Prompt i gets prompt_index first_index + i."""
+    Prompt i gets prompt_index first_index + i. With cfg.generator "engine", engine_factory(kv_pages)
+    makes the engine that generates (engine_gen.py), its pool sized for a batch of these prompts."""
     gdir = work / folder
     gdir.mkdir(parents=True, exist_ok=True)
     meta = _gen_meta(cfg, prompts)
@@ -218,7 +226,11 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
     pad = getattr(tok, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
     gdt = target.dtype if cfg.gen_dtype == "auto" else getattr(torch, cfg.gen_dtype)
-    gen_model = target if gdt == target.dtype else copy.deepcopy(target).to(gdt)
+    engine = None
+    if cfg.generator == "engine":
+        gen_model = None
+    else:
+        gen_model = target if gdt == target.dtype else copy.deepcopy(target).to(gdt)
     k = len(_shards(gdir))
     inline = cfg.features == "generate"
     bar = _tqdm(total=cfg.tokens, initial=min(have, cfg.tokens), desc="generate", unit="tok",
@@ -235,6 +247,26 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
         ids = torch.tensor([[pad] * (T - len(e)) + e for e in enc])
         mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc])
         sample = cfg.sample_every > 0 and k % cfg.sample_every == cfg.sample_every - 1
+        if cfg.generator == "engine":
+            from .engine_gen import pages_for, replies
+
+            if engine is None:
+                if engine_factory is None:
+                    raise ValueError("generator 'engine' needs an engine_factory")
+                engine = engine_factory(pages_for([_encode_prompt(tok, p) for p in prompts], cfg.gen_batch,
+                                                  cfg.max_new_tokens))
+
+            g = torch.Generator().manual_seed(cfg.seed * 100_003 + k)
+            shard = [q | {"prompt_index": first_index + i, "sampled": sample}
+                     for i, q in zip(idx, replies(engine, enc, cfg.max_new_tokens, eos, cfg.layers,
+                                                  cfg.temperature if sample else 0.0, g))]
+            _save_shard(shard, gdir, k, ts, secs, tfile)
+            seqs += shard
+            got = _reply_tokens(shard)
+            have += got
+            bar.update(min(got, max(0, cfg.tokens - bar.n)))
+            k += 1
+            continue
         kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
         hs, choices, fs = [], [], {}
         handle = gen_model.get_decoder().norm.register_forward_pre_hook(lambda _m, a: hs.append(a[0]))
@@ -264,17 +296,21 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
                     q["feat"] = torch.cat([torch.cat([fs[l][0][b, o:]] + [x[b] for x in fs[l][1:n]])
                                            for l in cfg.layers], -1).to(torch.bfloat16).clone()
             shard.append(q)
-        _save_atomic(shard, gdir / f"shard_{k:04d}.pt")
-        secs[str(k)] = round(time.time() - ts, 2)
-        tfile.write_text(json.dumps(secs) + "\n")
+        _save_shard(shard, gdir, k, ts, secs, tfile)
         seqs += shard
         got = _reply_tokens(shard)
         have += got
         bar.update(min(got, max(0, cfg.tokens - bar.n)))
         k += 1
     bar.close()
-    del gen_model
+    del gen_model, engine
     return seqs
+
+
+def _save_shard(shard: list[dict], gdir: Path, k: int, started: float, secs: dict, tfile: Path) -> None:
+    _save_atomic(shard, gdir / f"shard_{k:04d}.pt")
+    secs[str(k)] = round(time.time() - started, 2)
+    tfile.write_text(json.dumps(secs) + "\n")
 
 
 @torch.inference_mode()
@@ -563,8 +599,9 @@ def _plot(history: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> dict:
-    """Generate, capture, train and save a head for `target` (a transformers causal LM, eval mode)."""
+def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None, engine_factory=None) -> dict:
+    """Generate, capture, train and save a head for `target` (a transformers causal LM, eval mode).
+    engine_factory(kv_pages) -> Engine: the generator of cfg.generator "engine"."""
     from .prompts import context_prompts, is_validation, training_prompts, vocabulary_words
 
     t0 = time.time()
@@ -584,7 +621,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
     out_of_time = lambda: deadline is not None and _now() > deadline  # noqa: E731
     second = round(cfg.tokens * cfg.context_share)
     seqs = generate(target, tok, prompts, dataclasses.replace(cfg, tokens=cfg.tokens - second), work,
-                    deadline=deadline)
+                    deadline=deadline, engine_factory=engine_factory)
     rounds = {"first": {"sequences": len(seqs), "reply_tokens": _reply_tokens(seqs)}}
     if second and not out_of_time():
         shortest = min(40, cfg.max_new_tokens // 2)  # a passage worth working on
@@ -593,7 +630,7 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
                     if text]
         ctx = context_prompts(passages, len(prompts), len(prompts), cfg.seed, cfg.val_every)
         more = generate(target, tok, ctx, dataclasses.replace(cfg, tokens=second), work, "gen-context", len(prompts),
-                        deadline=deadline)
+                        deadline=deadline, engine_factory=engine_factory)
         rounds["second"] = {"sequences": len(more), "reply_tokens": _reply_tokens(more),
                             "prompt_tokens": sum(q["prompt_len"] for q in more)}
         seqs += more
@@ -739,7 +776,9 @@ def train(target, tok, cfg: TrainConfig, prompts: list[str] | None = None) -> di
                    "questions)" + (", then context_prompts over the first round's replies (summarise, translate, "
                                    "extract, answer from one or two passages)" if cfg.context_share else ""),
         "seed": cfg.seed, "tokens_budget": cfg.tokens, "context_share": cfg.context_share, "max_new_tokens": cfg.max_new_tokens, "features": cfg.features,
-        "generation": {"batch": cfg.gen_batch, "dtype": cfg.gen_dtype, "greedy_except_every": cfg.sample_every,
+        "generation": {"generator": cfg.generator, "batch": cfg.gen_batch,
+                       "dtype": cfg.gen_dtype if cfg.generator == "hf" else "the engine's (float32 over the stored weights)",
+                       "greedy_except_every": cfg.sample_every,
                        "temperature": cfg.temperature, "chat_template": bool(getattr(tok, "chat_template", None))},
         "data": data, "validation_split": f"every {cfg.val_every}th prompt",
         "draft_vocab": {k: vinfo[k] for k in ("size", "coverage", "distinct_labels", "label_rows")},
@@ -797,7 +836,9 @@ def _loss_words(soft: float) -> str:
 def _recipe_md(name: str, r: dict) -> str:
     v, g, t, d = r["validation"], r["generation"], r["training"], r["data"]
     ea = ", ".join(f"k={k}: {x}" for k, x in v["expected_accepted"].items())
-    feats = ("captured while generating (the pre-norm hook and each step's argmax, in the generation dtype)"
+    feats = ("read out of the engine's own passes while generating (each row's features and argmax, as the "
+             "engine computes them when it serves)" if g.get("generator") == "engine" else
+             "captured while generating (the pre-norm hook and each step's argmax, in the generation dtype)"
              if r.get("features", "generate") == "generate" else
              "from one more forward of the target in its own dtype")
     sampled = f"every {g['greedy_except_every']}th batch sampled at temperature {g['temperature']}, the rest greedy" \
@@ -817,7 +858,7 @@ Made by
 Data (seed {r['seed']}):
 
 - Prompts: {r['prompts']}; every {r['validation_split'].split()[1]} prompt held apart for validation.
-- The target answered each prompt under its chat template: up to {r['max_new_tokens']} new tokens, batches of
+- The target answered each prompt under its chat template ({'the engine' + "'" + 's batched passes' if g.get('generator') == 'engine' else 'transformers generate'}): up to {r['max_new_tokens']} new tokens, batches of
   {g['batch']} prompts, in {g['dtype']}; {sampled}; until {r['tokens_budget']} reply tokens{second}.
 - {d['prompts_train']} training / {d['prompts_val']} validation replies, {d['reply_tokens']} reply tokens
   ({d['train_rows']} training rows, {d['val_rows']} validation rows; {d['rows_total']} rows with the prompts as context).
