@@ -457,10 +457,12 @@ class Engine:
             logits = self._lm_head(last.index_select(0, rows)).float()
             if self._softcap:
                 logits = torch.tanh(logits / self._softcap) * self._softcap
+        # the captured layers' readout rows, selected once for the heads' hidden and the passes' features
+        picked = [c.index_select(0, batch.readout_index).float() for c in captured]
         hidden = None
         if wants_hidden:
-            h = torch.cat([captured[capture.index(c)] for c in self.head_layers], -1) if self.head_layers else prenorm
-            hidden = h.index_select(0, batch.readout_index).float()
+            hidden = (torch.cat([picked[capture.index(c)] for c in self.head_layers], -1) if self.head_layers
+                      else prenorm.index_select(0, batch.readout_index).float())
         self.model_time_s += time.perf_counter() - t0
         if len(batch.passes) == 1:  # nothing to split (each torch op costs ~10 us after a model call)
             outs = [PassOutput(logits, hidden if batch.passes[0].hidden else None)]
@@ -470,8 +472,8 @@ class Engine:
             hiddens = hidden.split(splits) if hidden is not None else [None] * len(splits)
             outs = [PassOutput(next(lgs) if ps.logits else None, hd if ps.hidden else None)
                     for ps, hd in zip(batch.passes, hiddens)]
-        if capture:
-            self._features(batch, outs, capture, captured)
+        if any(ps.features for ps in batch.passes):
+            self._features(batch, outs, capture, picked)
         for ps, first, out in zip(batch.passes, batch.first_positions, outs):
             if ps.ws.scores is not None and out.logits is not None:  # its run reports logprobs
                 ps.ws.scores.record(first, ps.readout, out.logits)
@@ -490,10 +492,10 @@ class Engine:
         captured = [prenorm[0] if c == self.info.num_layers else out.hidden_states[c][0] for c in capture]
         return prenorm[0], out.last_hidden_state[0], captured
 
-    def _features(self, batch: Batch, outs: list[PassOutput], capture: list[int], captured: list) -> None:
-        """Each pass's PassOutput.features: its readout rows of its layers' inputs, side by side."""
-        rows = [c.index_select(0, batch.readout_index).float() for c in captured]
-        parts = [r.split(batch.readout_splits) for r in rows]
+    def _features(self, batch: Batch, outs: list[PassOutput], capture: list[int], picked: list) -> None:
+        """Each pass's PassOutput.features: its readout rows (`picked`, per captured layer) of its
+        layers' inputs, side by side."""
+        parts = [r.split(batch.readout_splits) for r in picked]
         for b, (ps, out) in enumerate(zip(batch.passes, outs)):
             if ps.features:
                 out.features = torch.cat([parts[capture.index(c)][b] for c in ps.features], -1)
