@@ -182,14 +182,15 @@ def test_a_conversations_turns_stay_on_its_replica(deployment):
 
     ids = sorted(_wait_for_replicas(deployment, 2)["by_replica"])
     with _http(deployment) as http:
-        for c in range(8):  # the tiny model has no chat template: a completion prompt that grows
-            prompt = f"Conversation {c}: " + "the numbers from one to ten, in words, one after another:"
-            for _ in range(3):
+        for c in range(8):  # token ids (the tiny model has no chat template, and its pool is small)
+            prompt = [5 + (c + i) % 40 for i in range(18)]  # a key of the first 16 ids
+            for turn in range(3):
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
                 resp = http.post("/v1/completions", json=body)
                 assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0].get("limit") is None, resp.text
                 assert resp.headers["x-pie-replica"] == affine(affinity_key(json.dumps(body).encode()), ids)
-                prompt += resp.json()["choices"][0]["text"] + " Go on."
+                prompt = prompt + [7 + turn, 9]
 
 
 def test_instances_stay_on_their_replica(deployment):
@@ -214,7 +215,12 @@ def test_instances_stay_on_their_replica(deployment):
         endless = {}  # an instance that runs until cancelled, on each replica
         while len(endless) < 2:
             resp = http.post("/v1/instances", json={"inferlet": _upload(http, "misbehave"), "args": ["--mode", "endless-loop"]})
-            endless.setdefault(resp.headers["x-pie-replica"], resp.json()["id"])
+            assert resp.status_code == 201, resp.text
+            run_id, replica = resp.json()["id"], resp.headers["x-pie-replica"]
+            if replica in endless:  # its replica has one already: this one goes at once (each holds a slot)
+                assert http.post(f"/v1/instances/{run_id}/cancel").status_code == 200
+            else:
+                endless[replica] = run_id
         for run_id in endless.values():
             card = http.get(f"/v1/instances/{run_id}").json()
             assert card["status"] == "running", card.get("error")
