@@ -243,9 +243,6 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
         ts = time.time()
         idx = list(range(k * cfg.gen_batch, min((k + 1) * cfg.gen_batch, len(prompts))))
         enc = [_encode_prompt(tok, prompts[i]) for i in idx]
-        T = max(map(len, enc))
-        ids = torch.tensor([[pad] * (T - len(e)) + e for e in enc])
-        mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc])
         sample = cfg.sample_every > 0 and k % cfg.sample_every == cfg.sample_every - 1
         if cfg.generator == "engine":
             from .engine_gen import pages_for, replies
@@ -260,43 +257,42 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
             shard = [q | {"prompt_index": first_index + i, "sampled": sample}
                      for i, q in zip(idx, replies(engine, enc, cfg.max_new_tokens, eos, cfg.layers,
                                                   cfg.temperature if sample else 0.0, g))]
-            _save_shard(shard, gdir, k, ts, secs, tfile)
-            seqs += shard
-            got = _reply_tokens(shard)
-            have += got
-            bar.update(min(got, max(0, cfg.tokens - bar.n)))
-            k += 1
-            continue
-        kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-        hs, choices, fs = [], [], {}
-        handle = gen_model.get_decoder().norm.register_forward_pre_hook(lambda _m, a: hs.append(a[0]))
-        extra = _layer_hooks(gen_model, cfg.layers, fs) if inline and cfg.layers else []
-        proc = _ArgmaxRecorder(choices)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(cfg.seed * 100_003 + k)
-                out = gen_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                         pad_token_id=pad, eos_token_id=eos or None,
-                                         logits_processor=LogitsProcessorList([proc]) if inline else None, **kw)
-        finally:
-            handle.remove()
-            for x in extra:
-                x.remove()
-        shard = []
-        for b, i in enumerate(idx):
-            reply = until_eos(out[b, T:].tolist(), eos)
-            q = {"prompt_index": first_index + i, "ids": enc[b] + reply, "prompt_len": len(enc[b]), "sampled": sample}
-            if inline:  # h of rows 0..L-2 (prefill, then one row per decode step); c_j for j >= P-1
-                P, n, o = len(enc[b]), len(reply), T - len(enc[b])
-                h = torch.cat([hs[0][b, o:]] + [x[b] for x in hs[1:n]]).to(torch.bfloat16).clone()
-                c = torch.full((P + n,), -1, dtype=torch.int32)
-                c[P - 1:P - 1 + n] = torch.stack([x[b] for x in choices[:n]]).to(torch.int32)
-                q.update(ids=torch.tensor(q["ids"], dtype=torch.int32), h=h, choice=c)
-                if cfg.layers:  # the eagle3 head's input: its layers' inputs side by side, per row
-                    q["feat"] = torch.cat([torch.cat([fs[l][0][b, o:]] + [x[b] for x in fs[l][1:n]])
-                                           for l in cfg.layers], -1).to(torch.bfloat16).clone()
-            shard.append(q)
-        _save_shard(shard, gdir, k, ts, secs, tfile)
+        else:  # transformers' generate, features captured by hooks
+            T = max(map(len, enc))
+            ids = torch.tensor([[pad] * (T - len(e)) + e for e in enc])
+            mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc])
+            kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+            hs, choices, fs = [], [], {}
+            handle = gen_model.get_decoder().norm.register_forward_pre_hook(lambda _m, a: hs.append(a[0]))
+            extra = _layer_hooks(gen_model, cfg.layers, fs) if inline and cfg.layers else []
+            proc = _ArgmaxRecorder(choices)
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(cfg.seed * 100_003 + k)
+                    out = gen_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+                                             pad_token_id=pad, eos_token_id=eos or None,
+                                             logits_processor=LogitsProcessorList([proc]) if inline else None, **kw)
+            finally:
+                handle.remove()
+                for x in extra:
+                    x.remove()
+            shard = []
+            for b, i in enumerate(idx):
+                reply = until_eos(out[b, T:].tolist(), eos)
+                q = {"prompt_index": first_index + i, "ids": enc[b] + reply, "prompt_len": len(enc[b]), "sampled": sample}
+                if inline:  # h of rows 0..L-2 (prefill, then one row per decode step); c_j for j >= P-1
+                    P, n, o = len(enc[b]), len(reply), T - len(enc[b])
+                    h = torch.cat([hs[0][b, o:]] + [x[b] for x in hs[1:n]]).to(torch.bfloat16).clone()
+                    c = torch.full((P + n,), -1, dtype=torch.int32)
+                    c[P - 1:P - 1 + n] = torch.stack([x[b] for x in choices[:n]]).to(torch.int32)
+                    q.update(ids=torch.tensor(q["ids"], dtype=torch.int32), h=h, choice=c)
+                    if cfg.layers:  # the eagle3 head's input: its layers' inputs side by side, per row
+                        q["feat"] = torch.cat([torch.cat([fs[l][0][b, o:]] + [x[b] for x in fs[l][1:n]])
+                                               for l in cfg.layers], -1).to(torch.bfloat16).clone()
+                shard.append(q)
+        _save_atomic(shard, gdir / f"shard_{k:04d}.pt")
+        secs[str(k)] = round(time.time() - ts, 2)
+        tfile.write_text(json.dumps(secs) + "\n")
         seqs += shard
         got = _reply_tokens(shard)
         have += got
@@ -305,12 +301,6 @@ def generate(target, tok, prompts: list[str], cfg: TrainConfig, work: Path, fold
     bar.close()
     del gen_model, engine
     return seqs
-
-
-def _save_shard(shard: list[dict], gdir: Path, k: int, started: float, secs: dict, tfile: Path) -> None:
-    _save_atomic(shard, gdir / f"shard_{k:04d}.pt")
-    secs[str(k)] = round(time.time() - started, 2)
-    tfile.write_text(json.dumps(secs) + "\n")
 
 
 @torch.inference_mode()
