@@ -65,8 +65,7 @@ def main(argv=None) -> dict:
                     stop_poll.wait(1.0)
 
         def client(c: int):
-            with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=600),
-                              headers={"x-bench-client": str(c)}) as http:
+            with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=600)) as http:
                 i = c
                 while not stop_load.is_set():
                     s = Sample(len(samples), i % len(prompts), time.perf_counter())

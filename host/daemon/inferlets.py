@@ -167,10 +167,14 @@ class Inferlets:
                     _write(self._path(digest), wasm)
         if shared != local:
             with self._lock:
-                _write(self._index_path(owner), json.dumps({"uploads": shared}).encode())
+                self._write_index(owner, shared)
 
     def _path(self, digest: str) -> Path:
         return self.upload_dir / f"{digest}.wasm"
+
+    def _write_index(self, owner: str | None, index: Index) -> None:
+        """The caller holds the lock."""
+        _write(self._index_path(owner), json.dumps({"uploads": index}).encode())
 
     def _check_quota(self, owner: str | None, digest: str, size: int) -> None:
         index = self._index(owner)
@@ -205,12 +209,12 @@ class Inferlets:
                 _write(path, wasm)
             index = self._index(owner)
             new = digest not in index
-            if new or name is not None:
-                _write(self._index_path(owner), json.dumps({"uploads": with_upload(index, digest, name)}).encode())
-        if self.shelf is not None:
+            if self.shelf is None and (new or name is not None):
+                self._write_index(owner, with_upload(index, digest, name))
+        if self.shelf is not None:  # the shelf applies the same rule to the deployment's index
             index = await self.shelf.publish(owner, digest, name, wasm)
             with self._lock:
-                _write(self._index_path(owner), json.dumps({"uploads": index}).encode())
+                self._write_index(owner, index)
         return next(p for p in self._uploads(owner) if p.hash == digest), new
 
 
