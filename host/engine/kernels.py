@@ -19,7 +19,8 @@ from typing import NamedTuple
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f for f in ("module.cpp", "paged_attention.cpp", "layer_stack.cpp",
-                                                          "skinny_linear.cpp", "block_linear.cpp", "row_ops.cpp")]
+                                                          "skinny_linear.cpp", "block_linear.cpp", "q8_linear.cpp",
+                                                          "row_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own pool
 
 
@@ -72,14 +73,16 @@ def _build(name: str, sources: list[Path], flags: list[str]):
         return None
 
 
-# the instruction sets the products are written for (vec.h), widest first: each one's flags, and
-# the CPU flags it needs to run. The products' bits do not depend on the vector width (one
+# the instruction sets the products are written for (vec.h; q8_linear.cpp's byte dot products
+# also VNNI's), widest first: each one's flags, and the CPU flags it needs to run. The products' bits do not depend on the vector width (one
 # multiply-add chain over k per output), so the tests compare each narrower set this CPU runs
 # with its own build: an AVX-512 VM tests the AVX2 and scalar code too.
-VARIANTS = {"avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")),
+VARIANTS = {"avx512vnni": (["-march=x86-64-v4", "-mavx512vnni"],
+                           ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")),
+            "avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")),
             "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c")),
             "scalar": (["-march=x86-64"], ())}
-PRODUCT_SOURCES = [SOURCES[0], *(s for s in SOURCES if s.name in ("skinny_linear.cpp", "block_linear.cpp"))]
+PRODUCT_SOURCES = [SOURCES[0], *(s for s in SOURCES if s.name in ("skinny_linear.cpp", "block_linear.cpp", "q8_linear.cpp"))]
 
 
 def other_variants() -> list[str]:
@@ -124,6 +127,7 @@ class SkinnyOps(NamedTuple):
     block_linear: Callable  # (x, packed file blocks, ggml type, bias or None, N) -> x @ weight.T + bias
     block_dense: Callable  # (packed file blocks, ggml type, N) -> weight [N, K] float32
     block_gather: Callable  # (packed file blocks, ggml type, N, ids [T]) -> weight[ids] [T, K] float32
+    q8_block: int  # output columns of one block in the 8-bit-activation layout (blocks.repack_q8)
 
 
 @functools.cache
@@ -135,7 +139,7 @@ def skinny() -> SkinnyOps | None:
 
 def _skinny_ops(mod) -> SkinnyOps:
     return SkinnyOps(mod.skinny_pack, mod.skinny_linear, mod.skinny_block(), mod.block_linear, mod.block_dense,
-                     mod.block_gather)
+                     mod.block_gather, mod.q8_block())
 
 
 class RowOps(NamedTuple):

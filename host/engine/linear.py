@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from . import kernels
+from . import blocks, kernels
 from .blocks import BlockLinear
 
 PACK_ROWS = 8  # the row count oneDNN tunes the blocked layout for; measured best for 1-16 rows
@@ -144,8 +144,7 @@ class FusedGroup:
     def _of_blocks(cls, mods: list[BlockLinear], bias: torch.Tensor | None) -> FusedGroup | None:
         """Siblings in one block format whose outputs fill whole column blocks: their blocks side
         by side are the fused weight's, and each sibling then reads its slice of them (one copy)."""
-        ops = kernels.skinny()
-        if len({m.format for m in mods}) != 1 or any(m.out_features % ops.block for m in mods):
+        if len({m.format for m in mods}) != 1 or any(m.out_features % blocks.columns(m.format) for m in mods):
             return None
         fused = torch.cat([m.packed for m in mods])
         start = 0

@@ -13,7 +13,8 @@
 // integer, one rounding as gguf's: every widened weight is the float32 that gguf.dequantize gives,
 // and the multiply-add chain over k is skinny_linear's: the output has the bits of the float32
 // kernel over the dequantized weight, for any row count and wherever the row sits
-// (tests/test_block_linear.py).
+// (tests/test_block_linear.py). Format numbers from kQ8Activations on name the same blocks read
+// with 8-bit activations, another arithmetic: q8_linear.cpp.
 #include "kernels.h"
 #include "skinny.h"
 #include "vec.h"
@@ -334,6 +335,7 @@ int64_t skinny_block() { return kBlock; }
 
 at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t format, const std::optional<at::Tensor>& bias,
                         int64_t n) {
+  if (format >= kQ8Activations) return q8_linear(x, packed, format, bias, n);
   RECORD_FUNCTION("pie::block_linear", std::vector<c10::IValue>());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "block_linear: x is CPU float32 [rows, K]");
@@ -356,6 +358,7 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t format, const s
 }
 
 at::Tensor block_dense(at::Tensor packed, int64_t format, int64_t n) {
+  if (format >= kQ8Activations) return q8_dense(packed, format, n);
   const auto [k, blocks] = check_blocks(packed, format, "block_dense");
   TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "block_dense: ", n, " rows do not fit");
   at::Tensor out = at::empty({n, k}, at::kFloat);
@@ -364,6 +367,7 @@ at::Tensor block_dense(at::Tensor packed, int64_t format, int64_t n) {
 }
 
 at::Tensor block_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids) {
+  if (format >= kQ8Activations) return q8_gather(packed, format, n, ids);
   const auto [k, blocks] = check_blocks(packed, format, "block_gather");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(),
               "block_gather: ids are CPU int64 [T]");

@@ -33,6 +33,19 @@ at::Tensor block_dense(at::Tensor packed, int64_t format, int64_t n);
 
 at::Tensor block_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids);
 
+// a format number from here on is kQ8Activations + a legacy ggml type: its blocks in q8_linear.cpp's
+// layout, products with 8-bit activations (blocks.py's Q8_ACTIVATIONS)
+constexpr int64_t kQ8Activations = 256;
+
+int64_t q8_block();
+
+at::Tensor q8_linear(at::Tensor x, at::Tensor packed, int64_t format, const std::optional<at::Tensor>& bias,
+                     int64_t n);
+
+at::Tensor q8_dense(at::Tensor packed, int64_t format, int64_t n);
+
+at::Tensor q8_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids);
+
 std::tuple<at::Tensor, at::Tensor> residual_norm(at::Tensor x, const std::optional<at::Tensor>& delta,
                                                        at::Tensor weight, double eps);
 

@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &block_linear, "x @ W.T + b over a weight in its file's blocks, packed by blocks.py");
   m.def("block_dense", &block_dense, "a packed block weight widened to float32 [N, K]");
   m.def("block_gather", &block_gather, "rows of a packed block weight widened to float32 (an embedding)");
+  m.def("q8_block", &q8_block, "the output columns of one of q8_linear's blocks");
 #ifndef PIE_PRODUCTS_ONLY
   m.def("paged_attention", &paged_attention, "paged attention of short query windows (CPU, float32)");
   m.def("residual_norm", &residual_norm, "(x + delta, RMSNorm(x + delta) * weight), row by row");

@@ -1,0 +1,371 @@
+// y = x @ W^T + b with 8-bit activations: a second arithmetic, chosen explicitly (a model imported
+// with --activations q8), never the default. The weight stays in its file's legacy blocks (Q8_0,
+// Q4_0, Q4_1); each row of x is quantized per 32 k as llama.cpp's Q8_1 does (d = max|x| / 127,
+// q = x / d rounded to nearest even, s = d * sum q), and a group's products are integer dot
+// products, exact and order-free:
+//
+//   acc = fma(float(sum_k qw * qx - offset * sum_k qx), dw * dx, acc)   then, for Q4_1,
+//   acc = fma(mw, sx, acc)                                               over groups in order,
+//
+// then + b. A row's result depends on that row alone (its own scales, its own integer sums), so a
+// row gets the same bits in a pass of one as of forty, and speculative output still equals plain
+// output in this mode; the AVX-512 (VNNI or not), AVX2 and scalar paths give the same bits
+// (tests/test_q8_linear.py). It is not the float32 product of the dequantized weight: the
+// activations lose about 8 bits, as llama.cpp's quantized products do.
+//
+// Layout (blocks.py's repack_q8), column blocks of kLanes outputs, [ceil(N / kLanes), K / 32,
+// bytes]: per group, the columns' float16 d (and m for Q4_1), then the quants four k at a time,
+// each column's four side by side (the operand of one 4-way byte dot product): for Q8_0 eight
+// runs of kLanes * 4 int8, for Q4_x four, run p holding k 4p..4p+3 in the low nibbles and k
+// 4p+16..4p+19 in the high ones.
+#include "kernels.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace pie;
+
+constexpr int64_t kGroup = 32;   // k an activation scale covers, as a legacy block's
+constexpr int64_t kC = kLanes;   // columns in a block: one int32 lane each
+#if defined(__AVX512F__)
+constexpr int kTile = 8;  // rows a tile: an int and a float accumulator each, in registers
+#elif defined(__AVX2__)
+constexpr int kTile = 4;
+#else
+constexpr int kTile = 4;
+#endif
+
+// The rows of x quantized per group: q [m, K] int8, d and s (= d * sum q) [m, K / 32] float32,
+// sum [m, K / 32] int32
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+};
+
+// one group of 32 values: amax, its scale, and 32 quants rounded to nearest even
+void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
+  float amax = 0.0f;
+  for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+  int32_t total = 0;
+#if defined(__AVX512F__)
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (int h = 0; h < 2; ++h) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * h), iv);
+    const __m512i r = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i*)(q + 16 * h), _mm512_cvtepi32_epi8(r));
+    total += _mm512_reduce_add_epi32(r);
+  }
+#else
+  for (int i = 0; i < kGroup; ++i) {
+    const int32_t r = static_cast<int32_t>(std::nearbyint(x[i] * inv));  // the default rounding: to even
+    q[i] = static_cast<int8_t>(r);
+    total += r;
+  }
+#endif
+  *d = scale;
+  *sum = total;
+  *s = scale * static_cast<float>(total);
+}
+
+void quantize(const float* x, int64_t m, int64_t k, Quantized& out) {
+  const int64_t groups = k / kGroup;
+  out.q.resize(m * k);
+  out.d.resize(m * groups);
+  out.s.resize(m * groups);
+  out.sum.resize(m * groups);
+  for (int64_t i = 0; i < m * groups; ++i)
+    quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.d[i], &out.s[i], &out.sum[i]);
+}
+
+inline vf halves(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vf v;
+  for (int l = 0; l < kLanes; ++l) {
+    c10::Half h;
+    std::memcpy(&h, p + 2 * l, 2);
+    v[l] = static_cast<float>(h);
+  }
+  return v;
+#endif
+}
+
+inline int32_t word(const int8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// acc[c] += sum over the 4 bytes of lane c: unsigned weights u times signed activations x (the
+// four bytes at x, the same for every lane)
+inline vi dot_u(vi acc, const vi& u, const int8_t* x) {
+#if defined(__AVX512VNNI__)
+  return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_set1_epi32(word(x)));
+#elif defined(__AVX512BW__)
+  const __m512i p = _mm512_maddubs_epi16((__m512i)u, _mm512_set1_epi32(word(x)));  // u <= 15: no saturation
+  return acc + (vi)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
+#elif defined(__AVX2__)
+  const __m256i p = _mm256_maddubs_epi16((__m256i)u, _mm256_set1_epi32(word(x)));
+  return acc + (vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#else
+  for (int l = 0; l < kLanes; ++l) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&u) + 4 * l;
+    for (int t = 0; t < 4; ++t) acc[l] += static_cast<int32_t>(b[t]) * x[t];
+  }
+  return acc;
+#endif
+}
+
+// acc[c] += sum over the 4 bytes of lane c: signed weights w times signed activations x (as
+// llama.cpp: |w| times x with w's sign, so the unsigned-by-signed product takes them)
+inline vi dot_s(vi acc, const vi& w, const int8_t* x) {
+#if defined(__AVX512BW__)
+  const __m512i wv = (__m512i)w, xv = _mm512_set1_epi32(word(x));
+  const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);
+#if defined(__AVX512VNNI__)
+  return (vi)_mm512_dpbusd_epi32((__m512i)acc, _mm512_abs_epi8(wv), xs);
+#else
+  return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(wv), xs), _mm512_set1_epi16(1));
+#endif
+#elif defined(__AVX2__)
+  const __m256i wv = (__m256i)w, xv = _mm256_set1_epi32(word(x));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+  return acc + (vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#else
+  for (int l = 0; l < kLanes; ++l) {
+    const int8_t* b = reinterpret_cast<const int8_t*>(&w) + 4 * l;
+    for (int t = 0; t < 4; ++t) acc[l] += static_cast<int32_t>(b[t]) * x[t];
+  }
+  return acc;
+#endif
+}
+
+inline vi load_i(const uint8_t* p) {
+  vi v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// A legacy format in the q8 layout: Scales float16 scales per column (d; d, m), 4- or 8-bit quants,
+// Offset what a quant's value is less (Q4_0: 8)
+template <int Scales, bool Nibbles, int Offset>
+struct Legacy {
+  static constexpr int64_t kHeader = 2 * Scales * kC;
+  static constexpr int64_t kBytes = kHeader + (Nibbles ? kGroup / 2 : kGroup) * kC;
+  static constexpr bool kMin = Scales == 2;
+  static constexpr int kOffset = Offset;
+
+  // isum[r] = sum over the group's 32 k of quant * x_r, for R rows (x_r = x + r * k)
+  template <int R>
+  static void dots(const uint8_t* qp, const int8_t* x, int64_t k, vi* isum) {
+    if constexpr (Nibbles) {
+      const vi mask = vi{} + 0x0F0F0F0F;
+      for (int p = 0; p < 4; ++p) {
+        const vi v = load_i(qp + p * 4 * kC);
+        const vi lo = v & mask, hi = (v >> 4) & mask;  // per 32-bit lane: shift, then drop other bytes' bits
+        for (int r = 0; r < R; ++r) {
+          isum[r] = dot_u(isum[r], lo, x + r * k + 4 * p);
+          isum[r] = dot_u(isum[r], hi, x + r * k + 4 * p + 16);
+        }
+      }
+    } else {
+      for (int p = 0; p < 8; ++p) {
+        const vi v = load_i(qp + p * 4 * kC);
+        for (int r = 0; r < R; ++r) isum[r] = dot_s(isum[r], v, x + r * k + 4 * p);
+      }
+    }
+  }
+
+  // the widened weights of one group's columns c0..c1-1, exactly as gguf-py's formulas: out(c, i)
+  template <class Out>
+  static void widen(const uint8_t* gp, int64_t c0, int64_t c1, Out out) {
+    for (int64_t c = c0; c < c1; ++c) {
+      c10::Half hd, hm;
+      std::memcpy(&hd, gp + 2 * c, 2);
+      const float d = static_cast<float>(hd);
+      float m = 0.0f;
+      if constexpr (kMin) {
+        std::memcpy(&hm, gp + 2 * (kC + c), 2);
+        m = static_cast<float>(hm);
+      }
+      const uint8_t* qp = gp + kHeader;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        int q;
+        if constexpr (Nibbles) {
+          const int run = (i % 16) / 4, t = i % 4;
+          const int byte = qp[run * 4 * kC + 4 * c + t];
+          q = (i < 16 ? byte & 0x0F : byte >> 4) - Offset;
+        } else {
+          q = static_cast<int8_t>(qp[(i / 4) * 4 * kC + 4 * c + (i % 4)]);
+        }
+        out(c, i, kMin ? std::fma(d, static_cast<float>(q), m) : d * static_cast<float>(q));
+      }
+    }
+  }
+};
+
+using Q8_0 = Legacy<1, false, 0>;
+using Q4_0 = Legacy<1, true, 8>;
+using Q4_1 = Legacy<2, true, 0>;
+
+// R rows (from row0 of the quantized x) times one column block, into cols (<= kC) columns of y
+template <int R, class F>
+void q8_tile(const uint8_t* __restrict w, const Quantized& a, int64_t row0, int64_t k, float* __restrict y,
+             int64_t y_stride, int64_t cols, const float* __restrict bias) {
+  const int64_t groups = k / kGroup;
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vf{};
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gp = w + g * F::kBytes;
+    __builtin_prefetch(gp + 4096);
+    vi isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = vi{};
+    F::template dots<R>(gp + F::kHeader, a.q.data() + row0 * k + g * kGroup, k, isum);
+    const vf dw = halves(gp), mw = F::kMin ? halves(gp + 2 * kC) : vf{};
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * groups + g;
+      vi s = isum[r];
+      if constexpr (F::kOffset != 0) s -= F::kOffset * a.sum[at];
+      const vf dd = dw * splat(a.d[at]);
+      acc[r] = fmadd(__builtin_convertvector(s, vf), dd, acc[r]);
+      if constexpr (F::kMin) acc[r] = fmadd(mw, a.s[at], acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kC];
+    std::memcpy(out, &acc[r], sizeof out);
+    for (int64_t c = 0; c < cols; ++c) y[r * y_stride + c] = bias == nullptr ? out[c] : out[c] + bias[c];
+  }
+}
+
+template <class F, int R = kTile>
+void tile(int rows, const uint8_t* w, const Quantized& a, int64_t row0, int64_t k, float* y, int64_t y_stride,
+          int64_t cols, const float* bias) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile<F, R - 1>(rows, w, a, row0, k, y, y_stride, cols, bias);
+  }
+  q8_tile<R, F>(w, a, row0, k, y, y_stride, cols, bias);
+}
+
+// ggml's type numbers of the formats with a kernel here (+ kQ8Activations in a format number)
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+template <class Fn>
+void by_format(int64_t format, Fn fn) {
+  switch (format - kQ8Activations) {
+    case kQ8_0: return fn(Q8_0{});
+    case kQ4_0: return fn(Q4_0{});
+    case kQ4_1: return fn(Q4_1{});
+    default: TORCH_CHECK(false, "format ", format, " has no kernel with 8-bit activations");
+  }
+}
+
+std::pair<int64_t, int64_t> check_blocks(const at::Tensor& packed, int64_t format, int64_t n, const char* who) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.device().is_cpu(),
+              who, ": the weight is blocks.py's packed uint8 blocks");
+  int64_t bytes = 0;
+  by_format(format, [&](auto f) { bytes = decltype(f)::kBytes; });
+  TORCH_CHECK(packed.size(2) == bytes, who, ": format ", format, " groups are ", bytes, " bytes, not ",
+              packed.size(2));
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK(n > (blocks - 1) * kC && n <= blocks * kC, who, ": ", n, " outputs do not fit the weight's ", blocks,
+              " blocks");
+  return {packed.size(1) * kGroup, blocks};
+}
+
+}  // namespace
+
+int64_t q8_block() { return kC; }
+
+at::Tensor q8_linear(at::Tensor x, at::Tensor packed, int64_t format, const std::optional<at::Tensor>& bias,
+                     int64_t n) {
+  RECORD_FUNCTION("pie::q8_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "q8_linear: x is CPU float32 [rows, K]");
+  const auto [k, blocks] = check_blocks(packed, format, n, "q8_linear");
+  TORCH_CHECK(x.size(1) == k, "q8_linear: x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
+                                    bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "q8_linear: bias is float32 [", n, "]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  thread_local Quantized kept;  // the caller's, kept across products: no allocation per product
+  Quantized& a = kept;           // a reference: in the workers, the name would be their own copy
+  quantize(xc.data_ptr<float>(), m, k, a);
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  by_format(format, [&](auto f) {
+    using F = decltype(f);
+    const int64_t stride = (k / kGroup) * F::kBytes;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t c0 = b * kC, cols = std::min(kC, n - c0);
+        for (int64_t r = 0; r < m; r += kTile)
+          tile<F>(static_cast<int>(std::min<int64_t>(kTile, m - r)), wp + b * stride, a, r, k, yp + r * n + c0, n,
+                  cols, bp == nullptr ? nullptr : bp + c0);
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor q8_dense(at::Tensor packed, int64_t format, int64_t n) {
+  const auto [k, blocks] = check_blocks(packed, format, n, "q8_dense");
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  by_format(format, [&](auto f) {
+    using F = decltype(f);
+    const int64_t groups = k / kGroup;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t g = 0; g < groups; ++g)
+          F::widen(packed.data_ptr<uint8_t>() + (b * groups + g) * F::kBytes, 0, std::min(kC, n - b * kC),
+                   [&](int64_t c, int64_t i, float w) { op[(b * kC + c) * k + g * kGroup + i] = w; });
+    });
+  });
+  return out;
+}
+
+at::Tensor q8_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids) {
+  const auto [k, blocks] = check_blocks(packed, format, n, "q8_gather");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(),
+              "q8_gather: ids are CPU int64 [T]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < idc.size(0); ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "q8_gather: id ", ip[t], " is outside the ", n, " rows");
+  at::Tensor out = at::empty({idc.size(0), k}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  by_format(format, [&](auto f) {
+    using F = decltype(f);
+    const int64_t groups = k / kGroup;
+    at::parallel_for(0, idc.size(0), 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = ip[t] / kC, col = ip[t] % kC;
+        for (int64_t g = 0; g < groups; ++g)
+          F::widen(packed.data_ptr<uint8_t>() + (b * groups + g) * F::kBytes, col, col + 1,
+                   [&](int64_t, int64_t i, float w) { op[t * k + g * kGroup + i] = w; });
+      }
+    });
+  });
+  return out;
+}
