@@ -42,7 +42,8 @@ from .common import ProductPaths, machine, on_compute, table, write
 KERNELS = "pie::"
 
 KINDS = {
-    "products": ("linear", "addmm", "mm", "matmul", "bmm", "_linear_pointwise", "mkldnn", "skinny_linear", "block_linear"),
+    "products": ("linear", "addmm", "mm", "matmul", "bmm", "_linear_pointwise", "mkldnn", "skinny_linear", "block_linear",
+                 "q8_linear"),
     "attention": ("scaled_dot_product", "flash_attention", "index_copy", "index_select", "_efficient_attention",
                   "softmax", "baddbmm", "paged_attention"),
     "norms/activations": ("pow", "mean", "rsqrt", "mul", "add", "silu", "neg", "cat", "tanh", "sub", "div", "cos",
@@ -96,11 +97,16 @@ def _op_cost_s() -> float:
 
 
 def _weight_bytes(engine) -> int:
-    """Bytes of every weight the pass's products read: the decoder's linears and the lm_head."""
-    total = sum(m.weight.numel() * m.weight.element_size()
-                for m in engine._decoder.modules() if isinstance(m, torch.nn.Linear))
-    w = engine.model.get_output_embeddings().weight
-    return total + w.numel() * w.element_size()
+    """Bytes of every weight the pass's products read, as stored: the decoder's linears (float, or
+    a file's blocks) and the lm_head (a tied one reads the embedding's blocks)."""
+    from host.engine.blocks import BlockLinear
+
+    def size(m) -> int:
+        if isinstance(m, BlockLinear):
+            return m.packed.numel()
+        return m.weight.numel() * m.weight.element_size() if isinstance(m, torch.nn.Linear) else 0
+
+    return sum(size(m) for m in engine._decoder.modules()) + size(engine.model.get_output_embeddings())
 
 
 def _run(args) -> dict:
