@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
                     else:
                         k = "0" if c == "constrained-plain" else str(args.draft_len)
                         res = rt.run(wasm, ["--prompt", row["prompt"], "--chat", "--max-tokens", str(n),
-                                            "--json-schema", schema, "--draft-len", k])
+                                            "--json-schema", schema, "--draft-len", k], prefix_caching=False)
                         if not res.ok:
                             raise SystemExit(f"{c} failed on {row['id']}: {res.error}")
                         s = res.stats

@@ -72,7 +72,8 @@ def main(argv=None) -> dict:
                     for _ in range(args.repeats):
                         timer.times, timer.on = [], True
                         res = rt.run(resolve_inferlet(inferlet), ["--prompt", r["prompt"], "--chat", "--max-tokens",
-                                                                  str(args.new_tokens), *extra], name=inferlet)
+                                                                  str(args.new_tokens), *extra], name=inferlet,
+                                     prefix_caching=False)
                         timer.on = False
                         us = statistics.median(timer.times) * 1e6 if timer.times else None
                         if us is not None and (best is None or us < best["us_per_round"]):

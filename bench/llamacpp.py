@@ -170,8 +170,9 @@ def _our_worker(conn, model: str, threads: int) -> None:
                 conn.send(_peak_rss_mb())
                 continue
             inferlet, prompt, n = msg
+            # as llama.cpp's reset: no prompt reuse across runs, no drafts from an earlier run's output
             res = rt.run(resolve_inferlet(inferlet), ["--prompt", prompt, "--chat", "--max-tokens", str(n)],
-                         name=inferlet)
+                         name=inferlet, prefix_caching=False)
             conn.send((res.token_ids, res.stats["wall_s"]) if res.ok else SystemExit(f"{inferlet}: {res.error}"))
 
 

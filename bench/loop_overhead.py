@@ -58,7 +58,7 @@ def overhead(rt, wasm, engine, prompt: str, mode: str, n: int, on_text=None):
     for max_tokens in (2, n):
         m0 = engine.model_time_s
         res = rt.run(wasm, ["--prompt", prompt, "--chat", "--max-tokens", str(max_tokens), "--loop", mode],
-                     name="text-completion", on_text=on_text)
+                     name="text-completion", on_text=on_text, prefix_caching=False)
         runs.append((res, res.stats["wall_s"] - (engine.model_time_s - m0)))
     (short, host_short), (res, host_n) = runs
     extra = res.stats["passes"] - short.stats["passes"]  # none if the answer is at most two tokens long

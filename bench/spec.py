@@ -72,7 +72,10 @@ def run_once(rt, wasm, names, hf, tok, ids, prompt, n, reverse=False, drafter=No
                 out[c]["accepted_per_pass"] = 1.0
             continue
         inferlet, extra = INFERLETS[c][0], [drafter if a == DRAFTER else a for a in INFERLETS[c][1]]
-        res = rt.run(wasm[c], ["--prompt", prompt, "--chat", "--max-tokens", str(n), *extra], name=inferlet)
+        # no reuse across runs: each pays its own prompt pass, and cacheback drafts from no
+        # earlier run's output of the same prompt (its namespace's suffix index)
+        res = rt.run(wasm[c], ["--prompt", prompt, "--chat", "--max-tokens", str(n), *extra], name=inferlet,
+                     prefix_caching=False)
         if not res.ok:
             raise SystemExit(f"{c} failed on prompt {prompt[:40]!r}: {res.error}")
         s = res.stats

@@ -85,8 +85,11 @@ void quantize(const float* x, int64_t m, int64_t k, Quantized& out) {
   out.d.resize(m * groups);
   out.s.resize(m * groups);
   out.sum.resize(m * groups);
-  for (int64_t i = 0; i < m * groups; ++i)
-    quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.d[i], &out.s[i], &out.sum[i]);
+  // a prompt pass's rows are many: its threads share them (each group is quantized alone)
+  at::parallel_for(0, m * groups, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.d[i], &out.s[i], &out.sum[i]);
+  });
 }
 
 inline vf halves(const uint8_t* p) {
