@@ -132,8 +132,10 @@ def _llama_worker(conn, path: str, threads: int, n_ctx: int) -> None:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     def load(lookup: bool):
+        # verifying drafts reads every row's logits: llama-cpp-python keeps them only with logits_all
         return Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
-                     draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS) if lookup else None)
+                     draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS) if lookup else None,
+                     logits_all=lookup)
 
     models: dict[bool, object] = {}
     conn.send("ready")

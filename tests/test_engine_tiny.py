@@ -242,3 +242,21 @@ def test_a_group_builds_the_mask_only_for_sdpa(kernel):
     long, c = attention.SMALL_WINDOW + 1, WorkingSet(3, pool, pages=[6, 7, 8, 9, 10, 11])
     g = attention.make_group(torch.device("cpu"), [0], [long], [2], [long + 2], [c], True, kernel)
     assert (g.passes is None) != kernel and (g.mask is None) == kernel
+
+
+def test_the_kv_pool_is_resident_only_as_it_is_written():
+    """A pool sized for many clients costs memory as it fills: 1 GiB of zeros is not resident at
+    start (torch.zeros wrote every page), and one written KV page makes a few KiB resident, not
+    the 2 MiB huge page numpy's zeros would advise."""
+    import psutil
+
+    from host.engine.engine import _zeros
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    kv = _zeros((8, 2, 4, 1 << 17, 64), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert kv.is_contiguous() and kv.dtype == torch.float32 and not kv[0, 0, 0, :16].any()
+    for layer in range(8):
+        kv[layer, :, :, 4096:4112] = 1.0  # one 16-row page of every layer, key and value, head
+    assert proc.memory_info().rss - before < 64 << 20
+    assert float(kv.sum()) == 8 * 2 * 4 * 16 * 64
