@@ -30,7 +30,12 @@ def test_an_x86_cpu_tests_the_scalar_code_at_least():
     assert kernels.other_variants()[-1:] == ["scalar"] or platform.machine() not in ("x86_64", "AMD64")
 
 
-@pytest.mark.parametrize("isa", kernels.other_variants())
+# AVX-512 is another variant only where the native build has VNNI, and the exact products' code is
+# the same with it and without: that variant differs only in q8_linear.cpp's byte dot products
+EXACT_VARIANTS = [v for v in kernels.other_variants() if v != "avx512"]
+
+
+@pytest.mark.parametrize("isa", EXACT_VARIANTS)
 def test_a_variants_products_have_the_native_bits(native, isa):
     ops = kernels.variant(isa)
     assert ops is not None, f"the {isa} products should build here"

@@ -1,6 +1,6 @@
 """The default model imported with 8-bit activations (`pie model import smollm2-135m --activations
-q8`): another arithmetic, so other outputs than the exact model's, yet lossless speculation within
-it. cacheback, MTP and the hybrid give its plain decoding's tokens on dev prompts; seeded sampling
+q8`): another arithmetic (other outputs than the exact model's: tests/test_weights.py), yet
+lossless speculation within it. cacheback, MTP and the hybrid give its plain decoding's tokens on dev prompts; seeded sampling
 repeats."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from wasm_fixtures import *  # noqa: F401,F403 (fixtures)
 
 pytestmark = [pytest.mark.wasm, pytest.mark.model]
 
-N = 64
-PROMPTS = (0, 9, 21, 40)  # dev prompts of several categories
+N = 48
+PROMPTS = (0, 21, 40)  # dev prompts of several categories
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def _args(prompt: str, *extra: str) -> list[str]:
     return ["--prompt", prompt, "--chat", "--max-tokens", str(N), *extra]
 
 
-def test_speculative_inferlets_give_plain_decodings_tokens(q8_runtime, runtime, text_completion_wasm):
+def test_speculative_inferlets_give_plain_decodings_tokens(q8_runtime, text_completion_wasm):
     cacheback, mtp = build_inferlet("cacheback-speculative-decoding"), build_inferlet("mtp-speculative-decoding")
     drafter = q8_runtime.engine.info.drafters[0]
     prompts = [dev_prompts()[i]["prompt"] for i in PROMPTS]
@@ -46,8 +46,6 @@ def test_speculative_inferlets_give_plain_decodings_tokens(q8_runtime, runtime, 
     for name, results in runs.items():
         assert [r.token_ids for r in results] == plain, name
     assert sum(r.stats["accepted_tokens"] for r in runs["hybrid"]) > 0
-    exact = [runtime.start(text_completion_wasm, _args(p)) for p in prompts]
-    assert [h.result(timeout=900).token_ids for h in exact] != plain  # another arithmetic, other outputs
 
 
 def test_seeded_sampling_repeats(q8_runtime):
