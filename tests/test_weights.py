@@ -23,6 +23,9 @@ HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 128, 4, 2, 256, 2
 # at import); q/k/v and gate/up in mixed formats, so run apart
 TYPES = {"attn_q": T.Q4_0, "attn_k": T.F16, "attn_v": T.Q4_0, "attn_output": T.Q8_0,
          "ffn_gate": T.Q4_1, "ffn_up": T.BF16, "ffn_down": T.Q5_0}
+# every format with 8-bit activations, and one without (BF16), for --activations q8
+Q8_MIX = {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q8_0,
+          "ffn_gate": T.Q4_1, "ffn_up": T.Q5_K, "ffn_down": (T.Q6_K, T.BF16)}
 # a Q4_K_M-style mix, as llama.cpp writes one: Q4_K, with Q6_K for attention values and half the
 # feed-forward downs (Q5_K for the other half here, to cover it); a tensor's type per layer
 K_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
@@ -224,7 +227,7 @@ def test_a_gguf_imported_with_8_bit_activations_is_an_entry_of_its_own(tmp_path,
     rows decoded one at a time, so speculation stays exact in this arithmetic too."""
     monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
     path = tmp_path / "llama.gguf"
-    write_tiny_gguf(path, "llama", tied=True, biases=False)
+    write_tiny_gguf(path, "llama", tied=True, biases=False, types=Q8_MIX, hidden=256, inter=512)
     q8, _ = store.import_model(str(path), drafter=[], progress=False, activations="q8")
     assert (q8.name, q8.activations) == ("llama-q8", "q8") and "8-bit activations" in q8.format_summary()
     exact, _ = store.import_model(str(path), drafter=[], progress=False)
@@ -238,6 +241,9 @@ def test_a_gguf_imported_with_8_bit_activations_is_an_entry_of_its_own(tmp_path,
     a = store.open_engine("llama-q8", device="cpu", dtype="float32", kv_pages=64)
     b = store.open_engine("llama", device="cpu", dtype="float32", kv_pages=64)
     assert a.model.get_input_embeddings().format == blocks.Q8_ACTIVATIONS + T.Q8_0
+    layer = a.model.model.layers[1]
+    assert layer.self_attn.v_proj.format == blocks.Q8_ACTIVATIONS + T.Q6_K
+    assert layer.mlp.down_proj.format == T.BF16  # no such kernel: exact, beside the others
     assert a.model.lm_head.packed is a.model.get_input_embeddings().packed
     assert a.stack.native is not None
     ids = a.tokenizer("The capital of France is")["input_ids"]

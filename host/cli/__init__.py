@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "float32 or bfloat16: widened at import")
     imp.add_argument("--activations", default="exact", choices=ACTIVATIONS,
                      help="exact (the default): products of float32 activations and the weights widened exactly; "
-                          "q8: a GGUF's Q4_0/Q4_1/Q8_0 blocks times activations quantized to 8 bits a row, as "
+                          "q8: a GGUF's Q4_0/Q4_1/Q8_0/K-quant blocks times activations quantized to 8 bits a row, as "
                           "llama.cpp computes (faster, not the dequantized model's output); default name NAME-q8")
     imp.add_argument("--drafter", action="append",
                      help="attach a draft head: mtp (the MTP layers inside SOURCE), a head folder, or a trained "

@@ -11,8 +11,8 @@ quants side by side. The kernel widens each weight with gguf-py's own formula, e
 product over blocks has the bits of the float32 kernel over `gguf.quants.dequantize`
 (tests/test_block_linear.py).
 
-A second arithmetic, chosen explicitly per model (`pie model import --activations q8`), reads the legacy formats'
-blocks with 8-bit activations (csrc/q8_linear.cpp): its format number is Q8_ACTIVATIONS + the
+A second arithmetic, chosen explicitly per model (`pie model import --activations q8`), reads the
+blocks of Q4_0, Q4_1, Q8_0 and the K-quants with 8-bit activations (csrc/q8_linear.cpp): its format number is Q8_ACTIVATIONS + the
 ggml type, its layout `repack_q8`'s. It is not the float32 product of the dequantized weight.
 
 Only this module knows the block layouts; everything else names a format by its number.
@@ -125,7 +125,7 @@ FORMATS = {f.ggml: f for f in (
 )}
 WIDE16 = {torch.float16: 1, torch.bfloat16: 30}  # a 16-bit float dtype's format
 Q8_ACTIVATIONS = 256  # + a ggml type: its blocks read with 8-bit activations (csrc/q8_linear.cpp)
-Q8_KERNELS = (2, 3, 8)  # the ggml types that have such a kernel: Q4_0, Q4_1, Q8_0
+Q8_KERNELS = (2, 3, 8, 12, 13, 14)  # the ggml types that have such a kernel: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 
 
 def ggml_of(format: int) -> int:
@@ -182,11 +182,11 @@ def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
 
 
 def repack_q8(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
-    """A legacy tensor's bytes, [N, row bytes] uint8, as csrc/q8_linear.cpp's [ceil(N / block),
-    G, group bytes]: the `block` columns' float16 scales (d, then m), then the group's quants four
-    k at a time, each column's four side by side: 8-bit ones as 8 runs of k 4p..4p+3; 4-bit ones
-    as 4 runs, k 4p..4p+3 in the low nibbles and 4p+16..4p+19 in the high ones. Missing columns
-    are zero."""
+    """A GGUF tensor's bytes, [N, row bytes] uint8, as csrc/q8_linear.cpp's [ceil(N / block), G,
+    group bytes]: the `block` columns' scales (d, then m; `groups`' own: float16 for the legacy
+    formats, float32 for the K-quants), then the group's quants four k at a time, each column's
+    four side by side: byte quants as group / 4 runs of k 4p..4p+3; 4-bit ones as 4 runs, k
+    4p..4p+3 in the low nibbles and 4p+16..4p+19 in the high ones. Missing columns are zero."""
     if ggml not in Q8_KERNELS:
         raise ValueError(f"{FORMATS[ggml].name} has no kernel with 8-bit activations")
     fmt = FORMATS[ggml]
@@ -205,7 +205,7 @@ def repack_q8(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
         q = q.reshape(nb, g, block, 2, 4, 4)  # k = 16 * half + 4 * run + t
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, G, block, run, t]
     else:
-        q = q.reshape(nb, g, block, 8, 4)
+        q = q.reshape(nb, g, block, fmt.group // 4, 4)
     parts.append(q.transpose(2, 3).contiguous().reshape(nb, g, -1))
     return torch.cat(parts, -1).contiguous()
 

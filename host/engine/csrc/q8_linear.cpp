@@ -1,10 +1,10 @@
 // y = x @ W^T + b with 8-bit activations: a second arithmetic, chosen explicitly (a model imported
-// with --activations q8), never the default. The weight stays in its file's legacy blocks (Q8_0,
-// Q4_0, Q4_1); each row of x is quantized per 32 k as llama.cpp's Q8_1 does (d = max|x| / 127,
+// with --activations q8), never the default. The weight stays in its file's blocks (Q8_0, Q4_0,
+// Q4_1, and the K-quants Q4_K, Q5_K, Q6_K); each row of x is quantized per 32 k as llama.cpp's Q8_1 does (d = max|x| / 127,
 // q = x / d rounded to nearest even, s = d * sum q), and a group's products are integer dot
 // products, exact and order-free:
 //
-//   acc = fma(float(sum_k qw * qx - offset * sum_k qx), dw * dx, acc)   then, for Q4_1,
+//   acc = fma(float(sum_k qw * qx - offset * sum_k qx), dw * dx, acc)   then, for Q4_1, Q4_K, Q5_K,
 //   acc = fma(mw, sx, acc)                                               over groups in order,
 //
 // then + b. A row's result depends on that row alone (its own scales, its own integer sums), so a
@@ -13,11 +13,13 @@
 // (tests/test_q8_linear.py). It is not the float32 product of the dequantized weight: the
 // activations lose about 8 bits, as llama.cpp's quantized products do.
 //
-// Layout (blocks.py's repack_q8), column blocks of kLanes outputs, [ceil(N / kLanes), K / 32,
-// bytes]: per group, the columns' float16 d (and m for Q4_1), then the quants four k at a time,
-// each column's four side by side (the operand of one 4-way byte dot product): for Q8_0 eight
-// runs of kLanes * 4 int8, for Q4_x four, run p holding k 4p..4p+3 in the low nibbles and k
-// 4p+16..4p+19 in the high ones.
+// where a group is the k one set of the weight's scales covers (32; 16 for Q6_K, whose two groups
+// share an activation group's dx). Layout (blocks.py's repack_q8), column blocks of kLanes
+// outputs, [ceil(N / kLanes), K / group, bytes]: per group, the columns' d (and m: Q4_1's, or a
+// K-quant's negated min), float16 for the legacy formats and float32 for the K-quants, then the
+// quants four k at a time, each column's four side by side (the operand of one 4-way byte dot
+// product): for byte quants group / 4 runs of kLanes * 4 bytes, for 4-bit ones four, run p
+// holding k 4p..4p+3 in the low nibbles and k 4p+16..4p+19 in the high ones.
 #include "kernels.h"
 #include "vec.h"
 
@@ -164,19 +166,28 @@ inline vi load_i(const uint8_t* p) {
   return v;
 }
 
-// A legacy format in the q8 layout: Scales float16 scales per column (d; d, m), 4- or 8-bit quants,
-// Offset what a quant's value is less (Q4_0: 8)
-template <int Scales, bool Nibbles, int Offset>
-struct Legacy {
-  static constexpr int64_t kHeader = 2 * Scales * kC;
-  static constexpr int64_t kBytes = kHeader + (Nibbles ? kGroup / 2 : kGroup) * kC;
+// A format in the q8 layout: Scales scales per column (d; d, m), float16 (the legacy formats) or
+// float32 (a K-quant's group scale, its super-block's float16 times its own small integer, exact);
+// quants 4-bit (Nibbles), or a byte each, unsigned (Q5_K's 0..31) or signed; Group k a set of
+// scales covers (32; Q6_K 16, half an activation group); Offset what a quant's value is less (Q4_0: 8)
+template <int Scales, bool F32, bool Nibbles, bool Signed, int Offset, int64_t Group>
+struct Format {
+  static constexpr int64_t kGroupK = Group;
+  static constexpr int64_t kHeader = (F32 ? 4 : 2) * Scales * kC;
+  static constexpr int64_t kBytes = kHeader + (Nibbles ? Group / 2 : Group) * kC;
   static constexpr bool kMin = Scales == 2;
   static constexpr int kOffset = Offset;
 
-  // isum[r] = sum over the group's 32 k of quant * x_r, for R rows (x_r = x + r * k)
+  static vf scale(const uint8_t* h, int which) {
+    if constexpr (F32) return load(reinterpret_cast<const float*>(h) + which * kC);
+    return halves(h + 2 * which * kC);
+  }
+
+  // isum[r] = sum over the group's k of quant * x_r, for R rows (x_r = x + r * k)
   template <int R>
   static void dots(const uint8_t* qp, const int8_t* x, int64_t k, vi* isum) {
     if constexpr (Nibbles) {
+      static_assert(Group == 32, "4-bit runs pair k 4p.. with 4p + 16..");
       const vi mask = vi{} + 0x0F0F0F0F;
       for (int p = 0; p < 4; ++p) {
         const vi v = load_i(qp + p * 4 * kC);
@@ -187,9 +198,10 @@ struct Legacy {
         }
       }
     } else {
-      for (int p = 0; p < 8; ++p) {
+      for (int p = 0; p < Group / 4; ++p) {
         const vi v = load_i(qp + p * 4 * kC);
-        for (int r = 0; r < R; ++r) isum[r] = dot_s(isum[r], v, x + r * k + 4 * p);
+        for (int r = 0; r < R; ++r)
+          isum[r] = Signed ? dot_s(isum[r], v, x + r * k + 4 * p) : dot_u(isum[r], v, x + r * k + 4 * p);
       }
     }
   }
@@ -198,23 +210,16 @@ struct Legacy {
   template <class Out>
   static void widen(const uint8_t* gp, int64_t c0, int64_t c1, Out out) {
     for (int64_t c = c0; c < c1; ++c) {
-      c10::Half hd, hm;
-      std::memcpy(&hd, gp + 2 * c, 2);
-      const float d = static_cast<float>(hd);
-      float m = 0.0f;
-      if constexpr (kMin) {
-        std::memcpy(&hm, gp + 2 * (kC + c), 2);
-        m = static_cast<float>(hm);
-      }
+      const float d = scale(gp, 0)[c], m = kMin ? scale(gp, 1)[c] : 0.0f;
       const uint8_t* qp = gp + kHeader;
-      for (int64_t i = 0; i < kGroup; ++i) {
+      for (int64_t i = 0; i < Group; ++i) {
         int q;
         if constexpr (Nibbles) {
-          const int run = (i % 16) / 4, t = i % 4;
-          const int byte = qp[run * 4 * kC + 4 * c + t];
+          const int byte = qp[((i % 16) / 4) * 4 * kC + 4 * c + i % 4];
           q = (i < 16 ? byte & 0x0F : byte >> 4) - Offset;
         } else {
-          q = static_cast<int8_t>(qp[(i / 4) * 4 * kC + 4 * c + (i % 4)]);
+          const uint8_t byte = qp[(i / 4) * 4 * kC + 4 * c + (i % 4)];
+          q = Signed ? static_cast<int8_t>(byte) : byte;
         }
         out(c, i, kMin ? std::fma(d, static_cast<float>(q), m) : d * static_cast<float>(q));
       }
@@ -222,15 +227,18 @@ struct Legacy {
   }
 };
 
-using Q8_0 = Legacy<1, false, 0>;
-using Q4_0 = Legacy<1, true, 8>;
-using Q4_1 = Legacy<2, true, 0>;
+using Q8_0 = Format<1, false, false, true, 0, 32>;
+using Q4_0 = Format<1, false, true, false, 8, 32>;
+using Q4_1 = Format<2, false, true, false, 0, 32>;
+using Q4_K = Format<2, true, true, false, 0, 32>;    // m stored negated: d * q + m
+using Q5_K = Format<2, true, false, false, 0, 32>;   // quants 0..31
+using Q6_K = Format<1, true, false, true, 0, 16>;    // quants -32..31, groups of 16
 
 // R rows (from row0 of the quantized x) times one column block, into cols (<= kC) columns of y
 template <int R, class F>
 void q8_tile(const uint8_t* __restrict w, const Quantized& a, int64_t row0, int64_t k, float* __restrict y,
              int64_t y_stride, int64_t cols, const float* __restrict bias) {
-  const int64_t groups = k / kGroup;
+  const int64_t groups = k / F::kGroupK, act_groups = k / kGroup;
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vf{};
   for (int64_t g = 0; g < groups; ++g) {
@@ -238,10 +246,11 @@ void q8_tile(const uint8_t* __restrict w, const Quantized& a, int64_t row0, int6
     __builtin_prefetch(gp + 4096);
     vi isum[R];
     for (int r = 0; r < R; ++r) isum[r] = vi{};
-    F::template dots<R>(gp + F::kHeader, a.q.data() + row0 * k + g * kGroup, k, isum);
-    const vf dw = halves(gp), mw = F::kMin ? halves(gp + 2 * kC) : vf{};
+    F::template dots<R>(gp + F::kHeader, a.q.data() + row0 * k + g * F::kGroupK, k, isum);
+    const vf dw = F::scale(gp, 0), mw = F::kMin ? F::scale(gp, 1) : vf{};
+    const int64_t ag = g * F::kGroupK / kGroup;  // the activations' group
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (row0 + r) * groups + g;
+      const int64_t at = (row0 + r) * act_groups + ag;
       vi s = isum[r];
       if constexpr (F::kOffset != 0) s -= F::kOffset * a.sum[at];
       const vf dd = dw * splat(a.d[at]);
@@ -266,7 +275,7 @@ void tile(int rows, const uint8_t* w, const Quantized& a, int64_t row0, int64_t 
 }
 
 // ggml's type numbers of the formats with a kernel here (+ kQ8Activations in a format number)
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum Ggml : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 template <class Fn>
 void by_format(int64_t format, Fn fn) {
@@ -274,6 +283,9 @@ void by_format(int64_t format, Fn fn) {
     case kQ8_0: return fn(Q8_0{});
     case kQ4_0: return fn(Q4_0{});
     case kQ4_1: return fn(Q4_1{});
+    case kQ4_K: return fn(Q4_K{});
+    case kQ5_K: return fn(Q5_K{});
+    case kQ6_K: return fn(Q6_K{});
     default: TORCH_CHECK(false, "format ", format, " has no kernel with 8-bit activations");
   }
 }
@@ -282,14 +294,18 @@ std::pair<int64_t, int64_t> check_blocks(const at::Tensor& packed, int64_t forma
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.device().is_cpu(),
               who, ": the weight is blocks.py's packed uint8 blocks");
-  int64_t bytes = 0;
-  by_format(format, [&](auto f) { bytes = decltype(f)::kBytes; });
+  int64_t bytes = 0, group = 0;
+  by_format(format, [&](auto f) {
+    bytes = decltype(f)::kBytes;
+    group = decltype(f)::kGroupK;
+  });
   TORCH_CHECK(packed.size(2) == bytes, who, ": format ", format, " groups are ", bytes, " bytes, not ",
               packed.size(2));
   const int64_t blocks = packed.size(0);
   TORCH_CHECK(n > (blocks - 1) * kC && n <= blocks * kC, who, ": ", n, " outputs do not fit the weight's ", blocks,
               " blocks");
-  return {packed.size(1) * kGroup, blocks};
+  TORCH_CHECK(packed.size(1) * group % kGroup == 0, who, ": K is whole groups of ", kGroup);
+  return {packed.size(1) * group, blocks};
 }
 
 }  // namespace
@@ -318,7 +334,7 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor packed, int64_t format, const std:
   float* yp = y.data_ptr<float>();
   by_format(format, [&](auto f) {
     using F = decltype(f);
-    const int64_t stride = (k / kGroup) * F::kBytes;
+    const int64_t stride = (k / F::kGroupK) * F::kBytes;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t c0 = b * kC, cols = std::min(kC, n - c0);
@@ -337,12 +353,12 @@ at::Tensor q8_dense(at::Tensor packed, int64_t format, int64_t n) {
   float* op = out.data_ptr<float>();
   by_format(format, [&](auto f) {
     using F = decltype(f);
-    const int64_t groups = k / kGroup;
+    const int64_t groups = k / F::kGroupK;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t g = 0; g < groups; ++g)
           F::widen(packed.data_ptr<uint8_t>() + (b * groups + g) * F::kBytes, 0, std::min(kC, n - b * kC),
-                   [&](int64_t c, int64_t i, float w) { op[(b * kC + c) * k + g * kGroup + i] = w; });
+                   [&](int64_t c, int64_t i, float w) { op[(b * kC + c) * k + g * F::kGroupK + i] = w; });
     });
   });
   return out;
@@ -360,13 +376,13 @@ at::Tensor q8_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor id
   float* op = out.data_ptr<float>();
   by_format(format, [&](auto f) {
     using F = decltype(f);
-    const int64_t groups = k / kGroup;
+    const int64_t groups = k / F::kGroupK;
     at::parallel_for(0, idc.size(0), 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = ip[t] / kC, col = ip[t] % kC;
         for (int64_t g = 0; g < groups; ++g)
           F::widen(packed.data_ptr<uint8_t>() + (b * groups + g) * F::kBytes, col, col + 1,
-                   [&](int64_t, int64_t i, float w) { op[t * k + g * kGroup + i] = w; });
+                   [&](int64_t, int64_t i, float w) { op[t * k + g * F::kGroupK + i] = w; });
       }
     });
   });
