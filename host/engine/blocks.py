@@ -158,12 +158,10 @@ def groups(raw: torch.Tensor, ggml: int) -> Groups:
     return fmt.unpack(raw.view(n, row_bytes // fmt.block_bytes, fmt.block_bytes))
 
 
-def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
-    """A GGUF tensor's bytes, [N, row bytes] uint8, as the kernel's [ceil(N / block), G, group
-    bytes]: the `block` columns' scales (each scale in turn, its bytes), then for each k of the
-    group its `block` quants (4-bit ones two a byte: column c's low nibble, column c + block / 2's
-    high one). Missing columns are zero."""
-    fmt = FORMATS[ggml]
+def _columns(raw: torch.Tensor, ggml: int, block: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A GGUF tensor's groups in column blocks of `block`, what both layouts start from: each
+    scale's bytes as [nb, G, block * scale bytes], and the quants as [nb, G, block, group]
+    (nb = ceil(N / block); missing columns zero)."""
     scales, q = groups(raw, ggml)
     n, g = q.shape[:2]
     nb = -(-n // block)
@@ -173,9 +171,18 @@ def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
         padded[:n] = t
         return padded.view(nb, block, *t.shape[1:]).transpose(1, 2)
 
-    parts = [columns(s).contiguous().view(torch.uint8).reshape(nb, g, -1) for s in scales]
-    q = columns(q).transpose(-1, -2)  # [nb, G, group, block]
-    if fmt.bits == 4:
+    return [columns(s).contiguous().view(torch.uint8).reshape(nb, g, -1) for s in scales], columns(q)
+
+
+def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
+    """A GGUF tensor's bytes, [N, row bytes] uint8, as the kernel's [ceil(N / block), G, group
+    bytes]: the `block` columns' scales (each scale in turn, its bytes), then for each k of the
+    group its `block` quants (4-bit ones two a byte: column c's low nibble, column c + block / 2's
+    high one). Missing columns are zero."""
+    parts, q = _columns(raw, ggml, block)
+    nb, g = q.shape[:2]
+    q = q.transpose(-1, -2)  # [nb, G, group, block]
+    if FORMATS[ggml].bits == 4:
         q = q[..., :block // 2] | (q[..., block // 2:] << 4)
     parts.append(q.contiguous().view(torch.uint8).reshape(nb, g, -1))
     return torch.cat(parts, -1).contiguous()
@@ -190,17 +197,8 @@ def repack_q8(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
     if ggml not in Q8_KERNELS:
         raise ValueError(f"{FORMATS[ggml].name} has no kernel with 8-bit activations")
     fmt = FORMATS[ggml]
-    scales, q = groups(raw, ggml)
-    n, g = q.shape[:2]
-    nb = -(-n // block)
-
-    def columns(t: torch.Tensor) -> torch.Tensor:  # [N, G, ...] -> [nb, G, block, ...], zero-padded
-        padded = torch.zeros(nb * block, *t.shape[1:], dtype=t.dtype)
-        padded[:n] = t
-        return padded.view(nb, block, *t.shape[1:]).transpose(1, 2)
-
-    parts = [columns(s).contiguous().view(torch.uint8).reshape(nb, g, -1) for s in scales]
-    q = columns(q)  # [nb, G, block, 32]
+    parts, q = _columns(raw, ggml, block)  # q: [nb, G, block, group]
+    nb, g = q.shape[:2]
     if fmt.bits == 4:
         q = q.reshape(nb, g, block, 2, 4, 4)  # k = 16 * half + 4 * run + t
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, G, block, run, t]

@@ -16,12 +16,12 @@
 // (tests/test_block_linear.py). Format numbers from kQ8Activations on name the same blocks read
 // with 8-bit activations, another arithmetic: q8_linear.cpp.
 #include "kernels.h"
+#include "packed.h"
 #include "skinny.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -33,23 +33,6 @@ namespace {
 using namespace pie;
 
 constexpr int64_t kAhead = 4096;  // bytes the stream is prefetched ahead
-
-// kLanes float16 values as float32 (exact)
-inline vf halves(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#elif defined(__F16C__)
-  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#else
-  vf v;
-  for (int l = 0; l < kLanes; ++l) {
-    c10::Half h;
-    std::memcpy(&h, p + 2 * l, 2);
-    v[l] = static_cast<float>(h);
-  }
-  return v;
-#endif
-}
 
 // kLanes int8 quants as float32
 inline vf signed_bytes(const uint8_t* p) {
@@ -98,6 +81,7 @@ struct Blocks {
   static constexpr int64_t kGroup = Group;
   static constexpr int64_t kScaleBytes = F32 ? 4 : 2;
   static constexpr int64_t kHeader = Scales * kScaleBytes * kBlock, kStep = Nibbles ? kBlock / 2 : kBlock;
+  static constexpr int64_t kBytes = kHeader + kGroup * kStep;
   // accumulators + weights + scales in registers
   static constexpr int kRowsMax = kVecs == 4 ? (Scales == 2 ? 4 : 5) : 10;
   // float16 scales are widened once a group, into registers; float32 ones are read where they
@@ -131,7 +115,7 @@ struct Blocks {
 // widened exactly (a bfloat16 is a float32's upper half; F16C converts a float16 exactly)
 template <bool BF16>
 struct Wide16 {
-  static constexpr int64_t kGroup = 32, kHeader = 0, kStep = 2 * kBlock;
+  static constexpr int64_t kGroup = 32, kHeader = 0, kStep = 2 * kBlock, kBytes = kGroup * kStep;
   static constexpr int kRowsMax = kVecs == 4 ? 6 : 10;
   static void scales(const uint8_t*, vf*, vf*) {}
   static void weights(const uint8_t*, const uint8_t* p, const vf*, const vf*, vf* w) {
@@ -154,11 +138,6 @@ using Q6_K = Blocks<true, 1, false, 0, 16>;  // quants -32..31, a byte each
 using F16 = Wide16<false>;
 using BF16 = Wide16<true>;
 
-template <class F>
-constexpr int64_t group_bytes() {
-  return F::kHeader + F::kGroup * F::kStep;
-}
-
 // R rows of x times one column block over all K, into cols (<= kBlock) columns of y
 template <int R, class F>
 void block_tile(const uint8_t* __restrict w, const float* __restrict x, int64_t k, float* __restrict y,
@@ -167,7 +146,7 @@ void block_tile(const uint8_t* __restrict w, const float* __restrict x, int64_t 
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j) acc[r][j] = vf{};
   for (int64_t g = 0; g < k / F::kGroup; ++g) {
-    const uint8_t* gp = w + g * group_bytes<F>();
+    const uint8_t* gp = w + g * F::kBytes;
     vf d[kVecs], m[kVecs];
     F::scales(gp, d, m);
     const uint8_t* qp = gp + F::kHeader;
@@ -194,9 +173,9 @@ void tile(int rows, const uint8_t* w, const float* x, int64_t k, float* y, int64
   block_tile<R, F>(w, x, k, y, y_stride, cols, bias);
 }
 
-// every widened weight of column block b, group g: out(c, i) for c < cols, i < F::kGroup
+// the widened weights of one group's columns c0..c1-1 (packed.h's widening): out(c, i, weight)
 template <class F, class Out>
-void widen_group(const uint8_t* gp, Out out) {
+void widen(const uint8_t* gp, int64_t c0, int64_t c1, const Out& out) {
   vf d[kVecs], m[kVecs];
   F::scales(gp, d, m);
   for (int64_t i = 0; i < F::kGroup; ++i) {
@@ -204,7 +183,7 @@ void widen_group(const uint8_t* gp, Out out) {
     F::weights(gp, gp + F::kHeader + i * F::kStep, d, m, wv);
     float w[kBlock];
     std::memcpy(w, wv, sizeof w);
-    out(w, i);
+    for (int64_t c = c0; c < c1; ++c) out(c, i, w[c]);
   }
 }
 
@@ -228,7 +207,7 @@ void run_chunked(const uint8_t* w, const float* x, const float* bias, float* y, 
   for (int64_t g0 = 0; g0 < groups; g0 += per_chunk) {
     const int64_t g1 = std::min(groups, g0 + per_chunk);
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* gp = w + g * group_bytes<F>();
+      const uint8_t* gp = w + g * F::kBytes;
       vf d[kVecs], mins[kVecs];
       F::scales(gp, d, mins);
       float* out = wide + (g - g0) * F::kGroup * kBlock;
@@ -252,7 +231,7 @@ void run_chunked(const uint8_t* w, const float* x, const float* bias, float* y, 
 template <class F>
 void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t m, int64_t k, int64_t n,
          int64_t blocks) {
-  const int64_t stride = (k / F::kGroup) * group_bytes<F>(), step = tile_rows(m, F::kRowsMax);
+  const int64_t stride = (k / F::kGroup) * F::kBytes, step = tile_rows(m, F::kRowsMax);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> scratch;  // one per thread, kept across products and passes
     for (int64_t b = b0; b < b1; ++b) {
@@ -269,64 +248,21 @@ void run(const uint8_t* wp, const float* xp, const float* bp, float* yp, int64_t
   });
 }
 
-template <class F>
-void dense(const uint8_t* wp, float* out, int64_t k, int64_t n, int64_t blocks) {
-  const int64_t groups = k / F::kGroup, stride = groups * group_bytes<F>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * kBlock, cols = std::min(kBlock, n - c0);
-      for (int64_t g = 0; g < groups; ++g)
-        widen_group<F>(wp + b * stride + g * group_bytes<F>(), [&](const float* w, int64_t i) {
-          for (int64_t c = 0; c < cols; ++c) out[(c0 + c) * k + g * F::kGroup + i] = w[c];
-        });
-    }
-  });
-}
-
-template <class F>
-void gather(const uint8_t* wp, const int64_t* ids, int64_t count, float* out, int64_t k) {
-  const int64_t groups = k / F::kGroup, stride = groups * group_bytes<F>();
-  at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t t = i0; t < i1; ++t) {
-      const int64_t b = ids[t] / kBlock, c = ids[t] % kBlock;
-      for (int64_t g = 0; g < groups; ++g)
-        widen_group<F>(wp + b * stride + g * group_bytes<F>(),
-                       [&](const float* w, int64_t i) { out[t * k + g * F::kGroup + i] = w[c]; });
-    }
-  });
-}
-
-// ggml's type numbers (gguf-py's GGMLQuantizationType), as blocks.py names the formats
-enum Format : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30 };
-
 template <class Fn>
 void by_format(int64_t format, Fn fn) {
+  if (by_block_format<Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K>(format, fn)) return;
   switch (format) {
-    case kQ8_0: return fn(Q8_0{});
-    case kQ4_0: return fn(Q4_0{});
-    case kQ4_1: return fn(Q4_1{});
-    case kQ4_K: return fn(Q4_K{});
-    case kQ5_K: return fn(Q5_K{});
-    case kQ6_K: return fn(Q6_K{});
     case kF16: return fn(F16{});
     case kBF16: return fn(BF16{});
     default: TORCH_CHECK(false, "block format ", format, " has no kernel");
   }
 }
 
-// the packed blocks' K and column-block count, checked against the format
-std::pair<int64_t, int64_t> check_blocks(const at::Tensor& packed, int64_t format, const char* who) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.device().is_cpu(),
-              who, ": the weight is blocks.py's packed uint8 blocks");
-  int64_t bytes = 0, group = 0;
-  by_format(format, [&](auto f) {
-    bytes = group_bytes<decltype(f)>();
-    group = decltype(f)::kGroup;
-  });
-  TORCH_CHECK(packed.size(2) == bytes, who, ": format ", format, " groups are ", bytes, " bytes, not ",
-              packed.size(2));
-  return {packed.size(1) * group, packed.size(0)};
+// the format's packed shape, checked against the weight
+PackedShape checked(const at::Tensor& packed, int64_t format, int64_t n, const char* who) {
+  PackedShape shape{};
+  by_format(format, [&](auto f) { shape = shape_of<decltype(f)>(kBlock); });
+  return check_packed(packed, shape, format, n, who);
 }
 
 }  // namespace
@@ -337,45 +273,37 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t format, const s
                         int64_t n) {
   if (format >= kQ8Activations) return q8_linear(x, packed, format, bias, n);
   RECORD_FUNCTION("pie::block_linear", std::vector<c10::IValue>());
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "block_linear: x is CPU float32 [rows, K]");
-  const auto [k, blocks] = check_blocks(packed, format, "block_linear");
-  TORCH_CHECK(x.size(1) == k, "block_linear: x has ", x.size(1), " columns, the weight ", k);
-  TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "block_linear: ", n,
-              " outputs do not fit the weight's ", blocks, " blocks");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
-                                    bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              "block_linear: bias is float32 [", n, "]");
+  const PackedShape s = checked(packed, format, n, "block_linear");
+  check_operands(x, s.k, bias, n, "block_linear");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   by_format(format, [&](auto f) {
-    run<decltype(f)>(packed.data_ptr<uint8_t>(), xc.data_ptr<float>(), bp, y.data_ptr<float>(), x.size(0), k, n,
-                     blocks);
+    run<decltype(f)>(packed.data_ptr<uint8_t>(), xc.data_ptr<float>(), bp, y.data_ptr<float>(), x.size(0), s.k, n,
+                     s.blocks);
   });
   return y;
 }
 
 at::Tensor block_dense(at::Tensor packed, int64_t format, int64_t n) {
   if (format >= kQ8Activations) return q8_dense(packed, format, n);
-  const auto [k, blocks] = check_blocks(packed, format, "block_dense");
-  TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "block_dense: ", n, " rows do not fit");
-  at::Tensor out = at::empty({n, k}, at::kFloat);
-  by_format(format, [&](auto f) { dense<decltype(f)>(packed.data_ptr<uint8_t>(), out.data_ptr<float>(), k, n, blocks); });
+  const PackedShape s = checked(packed, format, n, "block_dense");
+  at::Tensor out;
+  by_format(format, [&](auto f) {
+    using F = decltype(f);
+    out = widen_dense(packed, s, n, [](auto... a) { widen<F>(a...); });
+  });
   return out;
 }
 
 at::Tensor block_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids) {
   if (format >= kQ8Activations) return q8_gather(packed, format, n, ids);
-  const auto [k, blocks] = check_blocks(packed, format, "block_gather");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(),
-              "block_gather: ids are CPU int64 [T]");
-  const at::Tensor idc = ids.contiguous();
-  const int64_t* ip = idc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < idc.size(0); ++t)
-    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "block_gather: id ", ip[t], " is outside the ", n, " rows");
-  at::Tensor out = at::empty({idc.size(0), k}, at::kFloat);
-  by_format(format, [&](auto f) { gather<decltype(f)>(packed.data_ptr<uint8_t>(), ip, idc.size(0), out.data_ptr<float>(), k); });
+  const PackedShape s = checked(packed, format, n, "block_gather");
+  at::Tensor out;
+  by_format(format, [&](auto f) {
+    using F = decltype(f);
+    out = widen_rows(packed, s, n, ids, "block_gather", [](auto... a) { widen<F>(a...); });
+  });
   return out;
 }

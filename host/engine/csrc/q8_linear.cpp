@@ -21,11 +21,11 @@
 // product): for byte quants group / 4 runs of kLanes * 4 bytes, for 4-bit ones four, run p
 // holding k 4p..4p+3 in the low nibbles and k 4p+16..4p+19 in the high ones.
 #include "kernels.h"
+#include "packed.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +37,7 @@ namespace {
 
 using namespace pie;
 
-constexpr int64_t kGroup = 32;   // k an activation scale covers, as a legacy block's
+constexpr int64_t kActGroup = 32;  // k an activation scale covers, as a legacy block's
 constexpr int64_t kC = kLanes;   // columns in a block: one int32 lane each
 #if defined(__AVX512F__)
 constexpr int kTile = 8;  // rows a tile: an int and a float accumulator each, in registers
@@ -58,7 +58,7 @@ struct Quantized {
 // one group of 32 values: amax, its scale, and 32 quants rounded to nearest even
 void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
   float amax = 0.0f;
-  for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int i = 0; i < kActGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
   int32_t total = 0;
 #if defined(__AVX512F__)
@@ -70,7 +70,7 @@ void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_t* sum)
     total += _mm512_reduce_add_epi32(r);
   }
 #else
-  for (int i = 0; i < kGroup; ++i) {
+  for (int i = 0; i < kActGroup; ++i) {
     const int32_t r = static_cast<int32_t>(std::nearbyint(x[i] * inv));  // the default rounding: to even
     q[i] = static_cast<int8_t>(r);
     total += r;
@@ -82,7 +82,7 @@ void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_t* sum)
 }
 
 void quantize(const float* x, int64_t m, int64_t k, Quantized& out) {
-  const int64_t groups = k / kGroup;
+  const int64_t groups = k / kActGroup;
   out.q.resize(m * k);
   out.d.resize(m * groups);
   out.s.resize(m * groups);
@@ -90,30 +90,24 @@ void quantize(const float* x, int64_t m, int64_t k, Quantized& out) {
   // a prompt pass's rows are many: its threads share them (each group is quantized alone)
   at::parallel_for(0, m * groups, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
-      quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.d[i], &out.s[i], &out.sum[i]);
+      quantize_group(x + i * kActGroup, out.q.data() + i * kActGroup, &out.d[i], &out.s[i], &out.sum[i]);
   });
-}
-
-inline vf halves(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#elif defined(__F16C__)
-  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#else
-  vf v;
-  for (int l = 0; l < kLanes; ++l) {
-    c10::Half h;
-    std::memcpy(&h, p + 2 * l, 2);
-    v[l] = static_cast<float>(h);
-  }
-  return v;
-#endif
 }
 
 inline int32_t word(const int8_t* p) {
   int32_t w;
   std::memcpy(&w, p, 4);
   return w;
+}
+
+// the scalar statement of the two below: the weights' bytes read as Byte (uint8_t or int8_t)
+template <class Byte>
+[[maybe_unused]] inline vi dot_scalar(vi acc, const vi& w, const int8_t* x) {
+  for (int l = 0; l < kLanes; ++l) {
+    const Byte* b = reinterpret_cast<const Byte*>(&w) + 4 * l;
+    for (int t = 0; t < 4; ++t) acc[l] += static_cast<int32_t>(b[t]) * x[t];
+  }
+  return acc;
 }
 
 // acc[c] += sum over the 4 bytes of lane c: unsigned weights u times signed activations x (the
@@ -128,11 +122,7 @@ inline vi dot_u(vi acc, const vi& u, const int8_t* x) {
   const __m256i p = _mm256_maddubs_epi16((__m256i)u, _mm256_set1_epi32(word(x)));
   return acc + (vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
 #else
-  for (int l = 0; l < kLanes; ++l) {
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(&u) + 4 * l;
-    for (int t = 0; t < 4; ++t) acc[l] += static_cast<int32_t>(b[t]) * x[t];
-  }
-  return acc;
+  return dot_scalar<uint8_t>(acc, u, x);
 #endif
 }
 
@@ -152,11 +142,7 @@ inline vi dot_s(vi acc, const vi& w, const int8_t* x) {
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
   return acc + (vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
 #else
-  for (int l = 0; l < kLanes; ++l) {
-    const int8_t* b = reinterpret_cast<const int8_t*>(&w) + 4 * l;
-    for (int t = 0; t < 4; ++t) acc[l] += static_cast<int32_t>(b[t]) * x[t];
-  }
-  return acc;
+  return dot_scalar<int8_t>(acc, w, x);
 #endif
 }
 
@@ -172,7 +158,7 @@ inline vi load_i(const uint8_t* p) {
 // scales covers (32; Q6_K 16, half an activation group); Offset what a quant's value is less (Q4_0: 8)
 template <int Scales, bool F32, bool Nibbles, bool Signed, int Offset, int64_t Group>
 struct Format {
-  static constexpr int64_t kGroupK = Group;
+  static constexpr int64_t kGroup = Group;
   static constexpr int64_t kHeader = (F32 ? 4 : 2) * Scales * kC;
   static constexpr int64_t kBytes = kHeader + (Nibbles ? Group / 2 : Group) * kC;
   static constexpr bool kMin = Scales == 2;
@@ -238,7 +224,7 @@ using Q6_K = Format<1, true, false, true, 0, 16>;    // quants -32..31, groups o
 template <int R, class F>
 void q8_tile(const uint8_t* __restrict w, const Quantized& a, int64_t row0, int64_t k, float* __restrict y,
              int64_t y_stride, int64_t cols, const float* __restrict bias) {
-  const int64_t groups = k / F::kGroupK, act_groups = k / kGroup;
+  const int64_t groups = k / F::kGroup, act_groups = k / kActGroup;
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vf{};
   for (int64_t g = 0; g < groups; ++g) {
@@ -246,9 +232,9 @@ void q8_tile(const uint8_t* __restrict w, const Quantized& a, int64_t row0, int6
     __builtin_prefetch(gp + 4096);
     vi isum[R];
     for (int r = 0; r < R; ++r) isum[r] = vi{};
-    F::template dots<R>(gp + F::kHeader, a.q.data() + row0 * k + g * F::kGroupK, k, isum);
+    F::template dots<R>(gp + F::kHeader, a.q.data() + row0 * k + g * F::kGroup, k, isum);
     const vf dw = F::scale(gp, 0), mw = F::kMin ? F::scale(gp, 1) : vf{};
-    const int64_t ag = g * F::kGroupK / kGroup;  // the activations' group
+    const int64_t ag = g * F::kGroup / kActGroup;  // the activations' group
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * act_groups + ag;
       vi s = isum[r];
@@ -274,38 +260,19 @@ void tile(int rows, const uint8_t* w, const Quantized& a, int64_t row0, int64_t 
   q8_tile<R, F>(w, a, row0, k, y, y_stride, cols, bias);
 }
 
-// ggml's type numbers of the formats with a kernel here (+ kQ8Activations in a format number)
-enum Ggml : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-
 template <class Fn>
 void by_format(int64_t format, Fn fn) {
-  switch (format - kQ8Activations) {
-    case kQ8_0: return fn(Q8_0{});
-    case kQ4_0: return fn(Q4_0{});
-    case kQ4_1: return fn(Q4_1{});
-    case kQ4_K: return fn(Q4_K{});
-    case kQ5_K: return fn(Q5_K{});
-    case kQ6_K: return fn(Q6_K{});
-    default: TORCH_CHECK(false, "format ", format, " has no kernel with 8-bit activations");
-  }
+  const bool known = by_block_format<Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K>(format - kQ8Activations, fn);
+  TORCH_CHECK(known, "format ", format, " has no kernel with 8-bit activations");
 }
 
-std::pair<int64_t, int64_t> check_blocks(const at::Tensor& packed, int64_t format, int64_t n, const char* who) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.device().is_cpu(),
-              who, ": the weight is blocks.py's packed uint8 blocks");
-  int64_t bytes = 0, group = 0;
-  by_format(format, [&](auto f) {
-    bytes = decltype(f)::kBytes;
-    group = decltype(f)::kGroupK;
-  });
-  TORCH_CHECK(packed.size(2) == bytes, who, ": format ", format, " groups are ", bytes, " bytes, not ",
-              packed.size(2));
-  const int64_t blocks = packed.size(0);
-  TORCH_CHECK(n > (blocks - 1) * kC && n <= blocks * kC, who, ": ", n, " outputs do not fit the weight's ", blocks,
-              " blocks");
-  TORCH_CHECK(packed.size(1) * group % kGroup == 0, who, ": K is whole groups of ", kGroup);
-  return {packed.size(1) * group, blocks};
+// the format's packed shape, checked against the weight
+PackedShape checked(const at::Tensor& packed, int64_t format, int64_t n, const char* who) {
+  PackedShape shape{};
+  by_format(format, [&](auto f) { shape = shape_of<decltype(f)>(kC); });
+  shape = check_packed(packed, shape, format, n, who);
+  TORCH_CHECK(shape.k % kActGroup == 0, who, ": K is whole groups of ", kActGroup);
+  return shape;
 }
 
 }  // namespace
@@ -315,15 +282,10 @@ int64_t q8_block() { return kC; }
 at::Tensor q8_linear(at::Tensor x, at::Tensor packed, int64_t format, const std::optional<at::Tensor>& bias,
                      int64_t n) {
   RECORD_FUNCTION("pie::q8_linear", std::vector<c10::IValue>());
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "q8_linear: x is CPU float32 [rows, K]");
-  const auto [k, blocks] = check_blocks(packed, format, n, "q8_linear");
-  TORCH_CHECK(x.size(1) == k, "q8_linear: x has ", x.size(1), " columns, the weight ", k);
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
-                                    bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              "q8_linear: bias is float32 [", n, "]");
+  const PackedShape s = checked(packed, format, n, "q8_linear");
+  check_operands(x, s.k, bias, n, "q8_linear");
+  const int64_t k = s.k, m = x.size(0);
   const at::Tensor xc = x.contiguous();
-  const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   thread_local Quantized kept;  // the caller's, kept across products: no allocation per product
@@ -334,8 +296,8 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor packed, int64_t format, const std:
   float* yp = y.data_ptr<float>();
   by_format(format, [&](auto f) {
     using F = decltype(f);
-    const int64_t stride = (k / F::kGroupK) * F::kBytes;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t stride = (k / F::kGroup) * F::kBytes;
+    at::parallel_for(0, s.blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t c0 = b * kC, cols = std::min(kC, n - c0);
         for (int64_t r = 0; r < m; r += kTile)
@@ -348,43 +310,21 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor packed, int64_t format, const std:
 }
 
 at::Tensor q8_dense(at::Tensor packed, int64_t format, int64_t n) {
-  const auto [k, blocks] = check_blocks(packed, format, n, "q8_dense");
-  at::Tensor out = at::empty({n, k}, at::kFloat);
-  float* op = out.data_ptr<float>();
+  const PackedShape s = checked(packed, format, n, "q8_dense");
+  at::Tensor out;
   by_format(format, [&](auto f) {
     using F = decltype(f);
-    const int64_t groups = k / F::kGroupK;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t g = 0; g < groups; ++g)
-          F::widen(packed.data_ptr<uint8_t>() + (b * groups + g) * F::kBytes, 0, std::min(kC, n - b * kC),
-                   [&](int64_t c, int64_t i, float w) { op[(b * kC + c) * k + g * F::kGroupK + i] = w; });
-    });
+    out = widen_dense(packed, s, n, [](auto... a) { F::widen(a...); });
   });
   return out;
 }
 
 at::Tensor q8_gather(at::Tensor packed, int64_t format, int64_t n, at::Tensor ids) {
-  const auto [k, blocks] = check_blocks(packed, format, n, "q8_gather");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(),
-              "q8_gather: ids are CPU int64 [T]");
-  const at::Tensor idc = ids.contiguous();
-  const int64_t* ip = idc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < idc.size(0); ++t)
-    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "q8_gather: id ", ip[t], " is outside the ", n, " rows");
-  at::Tensor out = at::empty({idc.size(0), k}, at::kFloat);
-  float* op = out.data_ptr<float>();
+  const PackedShape s = checked(packed, format, n, "q8_gather");
+  at::Tensor out;
   by_format(format, [&](auto f) {
     using F = decltype(f);
-    const int64_t groups = k / F::kGroupK;
-    at::parallel_for(0, idc.size(0), 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = ip[t] / kC, col = ip[t] % kC;
-        for (int64_t g = 0; g < groups; ++g)
-          F::widen(packed.data_ptr<uint8_t>() + (b * groups + g) * F::kBytes, col, col + 1,
-                   [&](int64_t, int64_t i, float w) { op[t * k + g * F::kGroupK + i] = w; });
-      }
-    });
+    out = widen_rows(packed, s, n, ids, "q8_gather", [](auto... a) { F::widen(a...); });
   });
   return out;
 }

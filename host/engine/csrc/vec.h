@@ -3,6 +3,8 @@
 // keeps arrays of them on the stack and a kernel runs several times slower.
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +32,23 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf splat(float x) { return vf{} + x; }
+
+// kLanes float16 values as float32 (exact)
+inline vf halves(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vf v;
+  for (int l = 0; l < kLanes; ++l) {
+    c10::Half h;
+    std::memcpy(&h, p + 2 * l, 2);
+    v[l] = static_cast<float>(h);
+  }
+  return v;
+#endif
+}
 
 // the cache lines (64 bytes) of the n floats at p, fetched ahead of their reading
 inline void prefetch(const float* p, int64_t n) {
