@@ -128,3 +128,22 @@ def test_refusals(ops):
     with pytest.raises(ValueError, match="whole"):
         blocks.repack(torch.zeros(4, 33, dtype=torch.uint8), T.Q8_0, ops.block)
     assert ops.block_linear(torch.empty(0, 64), packed, T.Q8_0, None, 70).shape == (0, 70)
+
+
+@pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
+def test_rows_taken_from_packed_blocks(ops, kind):
+    """take_rows (a draft head's readout over its vocabulary's rows of the target's): the rows of a
+    packed weight, in either layout, are the packing of those rows of the file, widened alike; a q8
+    layout's rows laid out exactly are the exact packing."""
+    n, k = 150, 256
+    raw = torch.from_numpy(random_blocks(kind, n, k))
+    ids = torch.tensor([149, 0, 64, 63, 7, 7, 128, 100])
+    layouts = [kind] + ([blocks.Q8_ACTIVATIONS + kind] if kind in blocks.Q8_KERNELS else [])
+    for fmt in layouts:
+        packed = blocks.pack(raw, fmt)
+        taken = blocks.take_rows(packed, fmt, ids)
+        assert torch.equal(taken, blocks.pack(raw[ids], fmt))
+        assert torch.equal(ops.block_dense(taken, fmt, len(ids)), ops.block_dense(packed, fmt, n)[ids])
+        assert torch.equal(blocks.take_rows(packed, fmt, ids, into=kind), blocks.pack(raw[ids], kind))
+    with pytest.raises(ValueError, match="another file format"):
+        blocks.take_rows(blocks.pack(raw, kind), kind, ids, into=T.Q4_1 if kind != T.Q4_1 else T.Q8_0)

@@ -158,12 +158,12 @@ def groups(raw: torch.Tensor, ggml: int) -> Groups:
     return fmt.unpack(raw.view(n, row_bytes // fmt.block_bytes, fmt.block_bytes))
 
 
-def _columns(raw: torch.Tensor, ggml: int, block: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A GGUF tensor's groups in column blocks of `block`, what both layouts start from: each
-    scale's bytes as [nb, G, block * scale bytes], and the quants as [nb, G, block, group]
-    (nb = ceil(N / block); missing columns zero)."""
-    scales, q = groups(raw, ggml)
-    n, g = q.shape[:2]
+def _columns(g: Groups, block: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Groups in column blocks of `block`, what both layouts start from: each scale's bytes as
+    [nb, G, block * scale bytes], and the quants as [nb, G, block, group] (nb = ceil(N / block);
+    missing columns zero)."""
+    scales, q = g
+    n, groups_ = q.shape[:2]
     nb = -(-n // block)
 
     def columns(t: torch.Tensor) -> torch.Tensor:  # [N, G, ...] -> [nb, G, block, ...], zero-padded
@@ -171,7 +171,65 @@ def _columns(raw: torch.Tensor, ggml: int, block: int) -> tuple[list[torch.Tenso
         padded[:n] = t
         return padded.view(nb, block, *t.shape[1:]).transpose(1, 2)
 
-    return [columns(s).contiguous().view(torch.uint8).reshape(nb, g, -1) for s in scales], columns(q)
+    return [columns(s).contiguous().view(torch.uint8).reshape(nb, groups_, -1) for s in scales], columns(q)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """_columns' [nb, G, block, ...] back to [nb * block, G, ...]."""
+    return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], *t.shape[3:])
+
+
+def _kinds(ggml: int) -> tuple[list[torch.dtype], torch.dtype]:
+    """The dtypes of a format's groups: each scale's, and the quants'."""
+    fmt = FORMATS[ggml]
+    scales, q = fmt.unpack(torch.zeros(1, 1, fmt.block_bytes, dtype=torch.uint8))
+    return [x.dtype for x in scales], q.dtype
+
+
+def _lay_out(g: Groups, ggml: int, block: int, q8: bool) -> torch.Tensor:
+    """Groups in the exact layout (`repack`) or the 8-bit-activation one (`repack_q8`)."""
+    fmt = FORMATS[ggml]
+    parts, q = _columns(g, block)  # q: [nb, G, block, group]
+    nb, groups_ = q.shape[:2]
+    if q8:
+        if fmt.bits == 4:
+            q = q.reshape(nb, groups_, block, 2, 4, 4)  # k = 16 * half + 4 * run + t
+            q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, G, block, run, t]
+        else:
+            q = q.reshape(nb, groups_, block, fmt.group // 4, 4)
+        q = q.transpose(2, 3)  # [nb, G, run, block, t]
+    else:
+        q = q.transpose(-1, -2)  # [nb, G, group, block]
+        if fmt.bits == 4:
+            q = q[..., :block // 2] | (q[..., block // 2:] << 4)
+    parts.append(q.contiguous().view(torch.uint8).reshape(nb, groups_, -1))
+    return torch.cat(parts, -1).contiguous()
+
+
+def _read_back(packed: torch.Tensor, format: int) -> Groups:
+    """A packed weight's groups, every column of its blocks a row (`_lay_out` undone)."""
+    ggml, q8 = ggml_of(format), format >= Q8_ACTIVATIONS
+    fmt, block = FORMATS[ggml], columns(format)
+    scale_kinds, q_kind = _kinds(ggml)
+    nb, groups_ = packed.shape[:2]
+    scales, at = [], 0
+    for kind in scale_kinds:
+        size = block * kind.itemsize
+        raw = packed[..., at:at + size].reshape(nb, groups_, block, kind.itemsize)
+        scales.append(_rows(raw).contiguous().view(kind).squeeze(-1))
+        at += size
+    q = packed[..., at:]
+    if q8:
+        q = q.reshape(nb, groups_, -1, block, 4).transpose(2, 3)  # [nb, G, block, run, t]
+        if fmt.bits == 4:
+            q = torch.stack([q & 0x0F, q >> 4], 3)  # [nb, G, block, half, run, t]
+        q = q.reshape(nb, groups_, block, fmt.group)
+    else:
+        q = q.reshape(nb, groups_, fmt.group, -1)
+        if fmt.bits == 4:
+            q = torch.cat([q & 0x0F, q >> 4], -1)
+        q = q.contiguous().view(q_kind).transpose(-1, -2)  # [nb, G, block, group]
+    return scales, _rows(q).contiguous()
 
 
 def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
@@ -179,13 +237,7 @@ def repack(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
     bytes]: the `block` columns' scales (each scale in turn, its bytes), then for each k of the
     group its `block` quants (4-bit ones two a byte: column c's low nibble, column c + block / 2's
     high one). Missing columns are zero."""
-    parts, q = _columns(raw, ggml, block)
-    nb, g = q.shape[:2]
-    q = q.transpose(-1, -2)  # [nb, G, group, block]
-    if FORMATS[ggml].bits == 4:
-        q = q[..., :block // 2] | (q[..., block // 2:] << 4)
-    parts.append(q.contiguous().view(torch.uint8).reshape(nb, g, -1))
-    return torch.cat(parts, -1).contiguous()
+    return _lay_out(groups(raw, ggml), ggml, block, q8=False)
 
 
 def repack_q8(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
@@ -196,16 +248,20 @@ def repack_q8(raw: torch.Tensor, ggml: int, block: int) -> torch.Tensor:
     4p..4p+3 in the low nibbles and 4p+16..4p+19 in the high ones. Missing columns are zero."""
     if ggml not in Q8_KERNELS:
         raise ValueError(f"{FORMATS[ggml].name} has no kernel with 8-bit activations")
-    fmt = FORMATS[ggml]
-    parts, q = _columns(raw, ggml, block)  # q: [nb, G, block, group]
-    nb, g = q.shape[:2]
-    if fmt.bits == 4:
-        q = q.reshape(nb, g, block, 2, 4, 4)  # k = 16 * half + 4 * run + t
-        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, G, block, run, t]
-    else:
-        q = q.reshape(nb, g, block, fmt.group // 4, 4)
-    parts.append(q.transpose(2, 3).contiguous().reshape(nb, g, -1))
-    return torch.cat(parts, -1).contiguous()
+    return _lay_out(groups(raw, ggml), ggml, block, q8=True)
+
+
+def take_rows(packed: torch.Tensor, format: int, ids: torch.Tensor, into: int | None = None) -> torch.Tensor:
+    """The rows `ids` of a packed weight (outputs of a linear, rows of an embedding), packed anew in
+    format `into` (default: the same; the same file blocks in the other layout, e.g. a q8 format's
+    exact one): the same widened weights (a draft head's readout over its draft vocabulary's rows
+    of the target's)."""
+    into = format if into is None else into
+    if ggml_of(into) != ggml_of(format):
+        raise ValueError(f"{name(format)} rows cannot be laid out as {name(into)}: another file format")
+    scales, q = _read_back(packed, format)
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    return _lay_out(([x[ids] for x in scales], q[ids]), ggml_of(into), columns(into), q8=into >= Q8_ACTIVATIONS)
 
 
 def dequantize(raw: torch.Tensor, ggml: int) -> torch.Tensor:

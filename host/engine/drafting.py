@@ -22,7 +22,7 @@ import torch
 
 from ..epilogue.tensors import argmax, exp_race
 from ..errors import InvalidArgument
-from . import attention
+from . import attention, blocks
 from .blocks import BlockLinear
 from .linear import PackedLinears
 from .readout import Readout
@@ -105,6 +105,13 @@ class HeadRunner:
         target_out = engine.model.get_output_embeddings()
         if isinstance(target_out, BlockLinear) and head.head is None and head.draft_vocab is None:
             out = target_out  # the target's readout, over the same blocks
+        elif isinstance(target_out, BlockLinear) and head.head is None:
+            # the draft vocabulary's rows of the target's readout, kept in its file's blocks and read
+            # exactly (float32 activations, whatever the target's arithmetic): the bits of a float32
+            # copy's products, a quarter of the bytes a draft reads (Q8_0)
+            exact = blocks.ggml_of(target_out.format)
+            rows = blocks.take_rows(target_out.packed, target_out.format, head.draft_vocab.cpu(), into=exact)
+            out = BlockLinear(rows, exact, len(head.draft_vocab), target_out.in_features)
         else:
             w = head.output_weight(target_out.weight).detach()
             out = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
