@@ -1,13 +1,15 @@
 """A draft head's readout over a draft vocabulary (host/engine/drafting.py): on a target whose
 readout is in its file's blocks, the head reads the draft vocabulary's rows of those blocks
-(blocks.take_rows), never a float32 copy, and its logits have that copy's bits: the same drafts,
-a quarter of the bytes each draft step reads."""
+(blocks.take_rows) in the target's own arithmetic, never a float32 copy: its logits are the
+target readout's columns bit for bit (and, exact, a float32 copy's), a quarter of the bytes
+each draft step reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from host.engine import blocks
 from host.engine.blocks import BlockLinear
 from host.engine.readout import Readout
 
@@ -29,3 +31,18 @@ def test_the_head_reads_its_vocabulary_rows_in_the_targets_blocks(engine):
         for rows in (1, 2, 3, 4, 9, 17):
             x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
             assert torch.equal(runner._out(x), Readout(copy)(x)), rows
+            assert torch.equal(runner._out(x), Readout(target_out)(x)[:, vocab]), rows
+
+
+def test_rows_taken_in_the_q8_arithmetic_are_the_q8_readouts_columns(engine):
+    """A q8 import's head reads its rows with 8-bit activations, as the target does: the same
+    logits as the target's q8 readout at the draft vocabulary's ids."""
+    target_out = engine.model.get_output_embeddings()
+    q8 = blocks.q8_format(blocks.ggml_of(target_out.format))
+    full = blocks.take_rows(target_out.packed, target_out.format, torch.arange(target_out.out_features), into=q8)
+    target_q8 = BlockLinear(full, q8, target_out.out_features, target_out.in_features)
+    vocab = torch.randperm(target_out.out_features, generator=torch.Generator().manual_seed(0))[:300]
+    head_q8 = BlockLinear(blocks.take_rows(full, q8, vocab), q8, len(vocab), target_out.in_features)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, target_out.in_features, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(Readout(head_q8)(x), Readout(target_q8)(x)[:, vocab]), rows

@@ -166,12 +166,12 @@ def _columns(g: Groups, block: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     n, groups_ = q.shape[:2]
     nb = -(-n // block)
 
-    def columns(t: torch.Tensor) -> torch.Tensor:  # [N, G, ...] -> [nb, G, block, ...], zero-padded
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [N, G, ...] -> [nb, G, block, ...], zero-padded
         padded = torch.zeros(nb * block, *t.shape[1:], dtype=t.dtype)
         padded[:n] = t
         return padded.view(nb, block, *t.shape[1:]).transpose(1, 2)
 
-    return [columns(s).contiguous().view(torch.uint8).reshape(nb, groups_, -1) for s in scales], columns(q)
+    return [blocked(s).contiguous().view(torch.uint8).reshape(nb, groups_, -1) for s in scales], blocked(q)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

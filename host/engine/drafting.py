@@ -103,15 +103,14 @@ class HeadRunner:
         decoder = engine.model.get_decoder()
         self._embed, self._rotary = decoder.embed_tokens, decoder.rotary_emb
         target_out = engine.model.get_output_embeddings()
+        # one rule: a head reads the target's readout in the target's own arithmetic (its blocks, in
+        # the layout the import chose), over the draft vocabulary's rows where it has one
         if isinstance(target_out, BlockLinear) and head.head is None and head.draft_vocab is None:
-            out = target_out  # the target's readout, over the same blocks
+            out = target_out  # the target's readout itself
         elif isinstance(target_out, BlockLinear) and head.head is None:
-            # the draft vocabulary's rows of the target's readout, kept in its file's blocks and read
-            # exactly (float32 activations, whatever the target's arithmetic): the bits of a float32
-            # copy's products, a quarter of the bytes a draft reads (Q8_0)
-            exact = blocks.ggml_of(target_out.format)
-            rows = blocks.take_rows(target_out.packed, target_out.format, head.draft_vocab.cpu(), into=exact)
-            out = BlockLinear(rows, exact, len(head.draft_vocab), target_out.in_features)
+            # its rows packed anew (blocks.take_rows): a quarter of a float32 copy's bytes a draft step (Q8_0)
+            rows = blocks.take_rows(target_out.packed, target_out.format, head.draft_vocab.cpu())
+            out = BlockLinear(rows, target_out.format, len(head.draft_vocab), target_out.in_features)
         else:
             w = head.output_weight(target_out.weight).detach()
             out = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
