@@ -1,6 +1,7 @@
 """How well draft heads predict the target on the dev prompts, offline (no speculative run).
 
     python -m bench.head_dev [--model NAME] [--heads A,B] [--prompts N] [--new-tokens 128] [--steps 3]
+                             [--stops 0,0.1,...]
 
 The target (float32, stock transformers) answers each dev prompt greedily under its chat template;
 one more forward over prompt and reply gives h and the target's choice at every row, as
@@ -9,7 +10,9 @@ drafters; or head folders / trained or shipped head names) is then scored with t
 validation (`host.drafter.train.evaluate`): top-1 of its first draft over every reply row, the
 chained steps' top-1 given the drafts before were right, and the expected accepted drafts for
 k = 1..steps, overall and per category. The dev prompts are never trained on, so this is the
-out-of-distribution figure a head's RECIPE.md held-apart split cannot give.
+out-of-distribution figure a head's RECIPE.md held-apart split cannot give. For each confidence
+stop P of --stops (`--min-prob P`: a chain ends before a draft the head gives less than P), the
+drafts a chain of --steps proposes per row and how many of them are accepted.
 
 A speculative run verifies drafts only where the last round ended (after a rejection or a
 bonus token), fewer easy rows than every row: its acceptance is lower than these top-1s; compare
@@ -66,6 +69,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=None, help="first N dev prompts (default: all 46)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3, help="chained drafts scored")
+    ap.add_argument("--stops", default="0,0.1,0.2,0.3,0.4,0.5,0.6", help="confidence stops (min_prob) to score")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -105,7 +109,8 @@ def main(argv=None) -> dict:
         vmap = torch.full((V,), T.IGNORE, dtype=torch.long)
         ids = head.draft_vocab if head.draft_vocab is not None else torch.arange(V)
         vmap[ids] = torch.arange(len(ids))
-        overall = T.evaluate(head, model, seqs, vmap, W, args.steps, autocast=False)
+        stops = tuple(float(x) for x in args.stops.split(",") if x)
+        overall = T.evaluate(head, model, seqs, vmap, W, args.steps, autocast=False, stops=stops)
         by_cat = {}
         for cat in cats:
             part = [q for q, r in zip(seqs, rows) if r["category"] == cat]
@@ -122,6 +127,12 @@ def main(argv=None) -> dict:
     md = table(headers, lines)
     md += "\n\n" + table(["category", *names], [[c, *[f3(results[n]["by_category"][c]["top1"]) for n in names]]
                                                 for c in cats])
+    for n, r in results.items():
+        if r["overall"].get("stops"):
+            md += f"\n\n{n}, a chain of {args.steps} with a confidence stop, per reply row:\n\n" + table(
+                ["min_prob", "drafts", "accepted", "accepted per draft"],
+                [[f"{x['min_prob']:g}", f"{x['drafts']:.3f}", f"{x['accepted']:.3f}",
+                  f"{x['accepted'] / x['drafts']:.3f}" if x["drafts"] else ""] for x in r["overall"]["stops"]])
     ids_used = [r["id"] for r in rows]
     data = {"model": rec.name, "prompts": ids_used, "new_tokens": args.new_tokens, "steps": args.steps,
             "reply_tokens": sum(len(q["ids"]) - q["prompt_len"] for q in seqs), "machine": machine(),

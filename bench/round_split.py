@@ -1,6 +1,7 @@
 """Where a speculative round's time goes: the target's pass, the draft head's steps, the rest.
 
     python -m bench.round_split [--model NAME] [--per-category 1] [--new-tokens 128] [--repeats 2]
+                                [--min-prob P,...]
 
 Runs text-completion, mtp-speculative-decoding and the hybrid (cacheback --drafter) greedy on
 dev prompts (chat template) through the real runtime and engine, on a model with a head attached
@@ -18,6 +19,7 @@ Each is reported in milliseconds per round (a round: one target pass after the p
 what follows it up to the next), with tokens committed per round and milliseconds per token; the
 prompt's pass and its epilogue are left out. A prompt's run with the fastest rounds of --repeats
 counts; the median over prompts is reported. Writes JSON, a table and a stacked-bar chart to results/.
+--min-prob adds MTP and the hybrid with the head's confidence stop at each P (`--min-prob P`).
 """
 
 from __future__ import annotations
@@ -113,7 +115,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=None, help="only the first N of those")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--min-prob", default="", help="comma-separated confidence stops to add MTP and hybrid runs at")
     args = ap.parse_args(argv)
+    contenders = CONTENDERS + [(f"{label} p={p}", inferlet, [*extra, "--min-prob", p])
+                               for p in filter(None, args.min_prob.split(","))
+                               for label, inferlet, extra in CONTENDERS[1:]]
 
     from host.paths import resolve_inferlet
     from host.runtime.runtime import Runtime
@@ -145,11 +151,11 @@ def main(argv=None) -> dict:
                 wall = time.perf_counter() - clocks.rounds_from
                 return res, defaultdict(float, clocks.spent), wall, clocks.passes - 1
 
-            for _, inferlet, extra in CONTENDERS:  # warm-up: compile components, touch the model
+            for _, inferlet, extra in contenders:  # warm-up: compile components, touch the model
                 run(inferlet, extra, "Hello", 4)
             for r in rows:
                 rec = {"id": r["id"], "category": r["category"]}
-                for label, inferlet, extra in CONTENDERS:
+                for label, inferlet, extra in contenders:
                     best = None
                     for _ in range(args.repeats):
                         res, spent, wall, rounds = run(inferlet, extra, r["prompt"], args.new_tokens)
@@ -159,17 +165,17 @@ def main(argv=None) -> dict:
                                     "token_ids": res.token_ids}
                     rec[label] = best
                 ref = rec["text-completion"]["token_ids"]
-                for label, _, _ in CONTENDERS:
+                for label, _, _ in contenders:
                     rec[label]["same"] = rec[label].pop("token_ids") == ref
                 per.append(rec)
                 print(f"prompt {r['id']} ({r['category']}): " + ", ".join(
-                    f"{lb} {1e3 * rec[lb]['wall_s'] / rec[lb]['rounds']:.2f} ms/round" for lb, _, _ in CONTENDERS),
+                    f"{lb} {1e3 * rec[lb]['wall_s'] / rec[lb]['rounds']:.2f} ms/round" for lb, _, _ in contenders),
                       flush=True)
     finally:
         clocks.close()
 
     summary = {}
-    for label, _, _ in CONTENDERS:
+    for label, _, _ in contenders:
         got = [x[label] for x in per]
         parts = {p: statistics.median(g["ms_per_round"][p] for g in got) for p in PARTS}
         summary[label] = {"ms_per_round": parts,
@@ -187,7 +193,7 @@ def main(argv=None) -> dict:
           + table(["contender", *PARTS, "round", "round / plain", "tokens a round", "ms a token", "same tokens"],
                   [[lb, *(summary[lb]["ms_per_round"][p] for p in PARTS), summary[lb]["round_ms"],
                     summary[lb]["round_ms"] / base, summary[lb]["tokens_per_round"], summary[lb]["ms_per_token"],
-                    summary[lb]["identical_to_text_completion"]] for lb, _, _ in CONTENDERS]))
+                    summary[lb]["identical_to_text_completion"]] for lb, _, _ in contenders]))
     path = write("round_split", result, md)
     chart(summary)
     print(md)
@@ -201,14 +207,15 @@ def chart(summary: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = list(summary)
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(labels)), 4.5))
     bottom = [0.0] * len(labels)
     for p in PARTS:
         vals = [max(summary[lb]["ms_per_round"][p], 0.0) for lb in labels]
         ax.bar(labels, vals, bottom=bottom, label=p)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("ms per round (median)")
+    ax.tick_params(axis="x", labelrotation=20)
     ax.legend(fontsize=8)
     fig.tight_layout()
     with contextlib.suppress(OSError):

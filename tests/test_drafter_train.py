@@ -225,6 +225,30 @@ def test_soft_targets_are_the_targets_own_distribution_at_the_predicted_row(tmp_
     assert float(T._soft_ce(y, model, hn, W).detach()) > float(loss.detach())
 
 
+def test_confidence_stops_score_the_drafts_a_stopped_chain_proposes(tmp_path, target):
+    """evaluate(stops=...): P = 0 proposes every step and accepts the expected accepted drafts;
+    a P above every probability proposes nothing; in between, fewer drafts, never more accepted
+    than proposed, and the stop only drops drafts (never accepts more than P = 0)."""
+    from host.drafter.mtp import MtpHead
+
+    model, tok = target  # a random head over 97 ids: its drafts' probabilities ~0.013 to 0.02
+    seqs = T.generate(model, tok, PROMPTS[:8], _cfg(tmp_path, tokens=200).resolved(), tmp_path / "w")
+    V = model.get_output_embeddings().weight.shape[0]
+    torch.manual_seed(0)
+    head = MtpHead(model, draft_vocab=torch.arange(V))
+    W = head.output_weight(model.get_output_embeddings().weight).detach()
+    with torch.no_grad():
+        none = T.evaluate(head, model, seqs, torch.arange(V), W, 3, autocast=False)
+        probs = T.evaluate(head, model, seqs, torch.arange(V), W, 1, autocast=False, stops=(0.0,))
+        res = T.evaluate(head, model, seqs, torch.arange(V), W, 3, autocast=False, stops=(0.0, 0.015, 0.016, 1.01))
+    assert "stops" not in none and len(probs["stops"]) == 1
+    full, mid, mid2, never = res["stops"]
+    assert full["drafts"] == pytest.approx(3.0) and full["accepted"] == pytest.approx(none["expected_accepted"][-1])
+    assert never["drafts"] == never["accepted"] == 0.0
+    assert 0 < mid2["drafts"] <= mid["drafts"] < 3.0
+    assert all(x["accepted"] <= min(x["drafts"], full["accepted"]) + 1e-9 for x in res["stops"])
+
+
 def test_train_tiny_head(tmp_path, monkeypatch, target):
     monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
     model, tok = target

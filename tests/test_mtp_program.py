@@ -88,13 +88,15 @@ def tiny_module():
 
 
 def start(sched, eng, prompt, K=3, max_tokens=32, seed=0, temperature=0.0, top_p=1.0, adaptive=True, verify=None,
-          **kw):
+          min_prob=0.0, **kw):
     """The prompt's pass (its epilogue drafts the first window), then the loop: both on the engine."""
     prog, specs = mtp.mtp_program(drafter=NAME, start=len(prompt) - 1, draft_len=K, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p, seed=seed, adaptive=adaptive, **kw)
+                                  temperature=temperature, top_p=top_p, seed=seed, adaptive=adaptive,
+                                  min_prob=min_prob, **kw)
     if verify is not None:  # a broken rule, to show the distribution test can fail
         prog = _with_rule(K, max_tokens, len(prompt) - 1, seed, verify)
-    first = mtp.mtp_prefill_program(drafter=NAME, draft_len=K, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    first = mtp.mtp_prefill_program(drafter=NAME, draft_len=K, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                    min_prob=min_prob)
     P = compile_program(prog)
     ch = {s["name"]: chan(s["capacity"], s["init"]) for s in specs}
     ws, _, _ = prompt_pass(sched, eng, prompt, first, ch["window"], seed)
@@ -237,11 +239,11 @@ def test_seeded_sampled_runs_repeat(tiny_module, greedy_text):
     assert a == b and a != c
 
 
-def sample_pairs(eng, verify=None, runs=600):
+def sample_pairs(eng, verify=None, runs=600, min_prob=0.0):
     sched = Scheduler(eng)
     try:
         started = [start(sched, eng, DIST_PROMPT, K=2, max_tokens=3, seed=s, temperature=T, top_p=TOP_P,
-                         adaptive=False, verify=verify) for s in range(runs)]
+                         adaptive=False, verify=verify, min_prob=min_prob) for s in range(runs)]
         stats = [fut.result(timeout=120) for _, _, fut in started]
     finally:
         sched.close()
@@ -251,17 +253,74 @@ def sample_pairs(eng, verify=None, runs=600):
     return pairs, stats
 
 
-@KINDS
-def test_sampled_output_has_the_target_distribution(tiny_module, layers):
+@pytest.mark.parametrize("layers,min_prob", [(None, 0.0), (EAGLE3_LAYERS, 1 / 6)], ids=["mtp", "eagle3-min-prob"])
+def test_sampled_output_has_the_target_distribution(tiny_module, layers, min_prob):
+    """With the eagle3 head, also the confidence stop (min_prob): some windows end before a draft
+    drawn and then dropped, never verified; the distribution stays the target's."""
     # drafts from the head restricted to tokens the target gives moderate mass after DIST_PROMPT
     eng, ref = head_engine(tiny_module, [92, 32, 79, 63, 85, 65], kv_pages=16384, layers=layers)
     exact = exact_pairs(ref, DIST_PROMPT)
-    pairs, stats = sample_pairs(eng)
-    accepted = sum(s.accepted for s in stats)
-    assert 0 < accepted < sum(s.drafted for s in stats)
+    pairs, stats = sample_pairs(eng, min_prob=min_prob)  # a random head over 6 ids: about half its draws
+    accepted, drafted = sum(s.accepted for s in stats), sum(s.drafted for s in stats)
+    assert 0 < accepted < drafted
+    if min_prob:
+        assert drafted < 0.9 * 2 * sum(s.rounds for s in stats)
     assert chi_square_p(pairs, exact) > 0.001
     bad, _ = sample_pairs(eng, verify=accept_every_draft)
     assert chi_square_p(bad, exact) < 1e-6
+
+
+def test_greedy_output_with_a_confidence_stop_equals_plain_greedy(tiny_module, greedy_text):
+    eng, _ = head_engine(tiny_module, greedy_text, successor=True)  # its drafts' probabilities: ~0.10 to 0.20
+    _, full, lp_full = run(eng, REPETITIVE, K=3, max_tokens=48)
+    out, stats, lp = run(eng, REPETITIVE, K=3, max_tokens=48, min_prob=0.17)
+    assert out == greedy_text and 0 < stats.accepted and stats.drafted < full.drafted
+    eng.release(lp_full.ws), eng.release(lp.ws)
+    assert eng.pool.free_pages == eng.pool.num_pages
+
+
+def test_a_confidence_stop_ends_each_chain_before_its_first_doubted_draft(tiny_module, greedy_text):
+    """propose(min_prob=P) gives each chain's drafts up to the first one the head gives less than
+    P (its softmax at temperature 1), and those drafts are the unstopped chain's."""
+    from host.engine import Pass
+
+    eng, _ = head_engine(tiny_module, greedy_text)
+    runner, k = eng.heads[NAME], 4
+    seen = []
+    read = runner._out
+
+    def recorded(x):
+        logits = read(x)
+        seen.append(torch.softmax(logits.float(), -1).max(-1).values)
+        return logits
+
+    def chains(min_prob, record=False):
+        text, at = REPETITIVE + greedy_text, (0, 5, 11, 20)
+        prompts = [text[i:i + 16] for i in at]
+        wss = [eng.new_working_set() for _ in prompts]
+        outs = eng.forward([Pass(ws, p, list(range(16)), fold=0, hidden=True, spare=k) for ws, p in zip(wss, prompts)])
+        hidden = torch.stack([o.hidden for o in outs])
+        toks = torch.tensor([text[i + 1:i + 17] for i in at])
+        runner._out = recorded if record else read
+        try:
+            with torch.inference_mode():
+                got = runner.propose([runner.bind(ws).state for ws in wss], hidden, toks, [16] * 4, k, 0.0, None,
+                                     min_prob=min_prob)
+        finally:
+            runner._out = read
+            for ws in wss:
+                eng.release(ws)
+        return got
+
+    full, n_full = chains(0.0, record=True)
+    assert n_full == [k] * 4
+    probs = torch.stack(seen, 1)  # [chain, step]: the head's probability of each draft
+    P = float(probs.median())
+    drafts, n = chains(P)
+    want = [int((probs[b] >= P).int().cumprod(0).sum()) for b in range(4)]
+    assert n == want and min(want) < k
+    for b in range(4):
+        assert drafts[b, :n[b]].tolist() == full[b, :n[b]].tolist() and (drafts[b, n[b]:] == -1).all()
 
 
 def test_a_program_naming_a_missing_drafter_is_refused(tiny_module):

@@ -516,20 +516,25 @@ def _batches(n: int, size: int, seed: int, epoch: int, lengths: list[int]) -> li
 
 @torch.no_grad()
 def evaluate(head: MtpHead, target, seqs: list[dict], vmap, W, steps: int, autocast: bool,
-             batch: int = 8) -> dict:
+             batch: int = 8, stops: tuple[float, ...] = ()) -> dict:
     """Greedy chained drafting over the validation rows: top-1 of step 1, step s's top-1 given the
     drafts before it were right, and the expected accepted drafts for k = 1..steps (rows whose k
-    next choices exist), plus the validation loss of step 1."""
+    next choices exist), plus the validation loss of step 1. With `stops`, for each confidence stop
+    P (op mtp_draft's min_prob): the drafts a row's chain of `steps` proposes when it stops before a
+    draft whose probability (softmax over the draft vocabulary) is below P, and how many of those
+    are accepted, per row."""
     was = head.training
     head.eval()
     n_rows = 0
     ok_prefix = torch.zeros(steps)  # rows whose first s drafts were all right
     loss_sum, loss_n, hit1, n1 = 0.0, 0, 0, 0
+    proposed, kept = torch.zeros(len(stops)), torch.zeros(len(stops))  # per stop: drafts, accepted drafts
     for i in range(0, len(seqs), batch):
         bt = Batch(seqs[i:i + batch], vmap, steps)
         T = bt.T
         all_ok = None
         rows = (bt.raw[:, :T] != IGNORE) & (bt.raw[:, steps - 1:T + steps - 1] != IGNORE)
+        alive = [rows] * len(stops)  # rows whose chain has not stopped, per stop
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             for s, logits in head_steps(head, target, bt, W, steps, teacher=False):
                 logits = logits.float()
@@ -547,6 +552,12 @@ def evaluate(head: MtpHead, target, seqs: list[dict], vmap, W, steps: int, autoc
                         loss_n += int(m.sum())
                 all_ok = ok if all_ok is None else all_ok & ok
                 ok_prefix[s - 1] += float((all_ok & rows).sum())
+                if stops:
+                    sure = torch.softmax(logits, -1).amax(-1)
+                    for x, P in enumerate(stops):
+                        alive[x] = alive[x] & (sure >= P)
+                        proposed[x] += float(alive[x].sum())
+                        kept[x] += float((alive[x] & all_ok).sum())
         n_rows += int(rows.sum())
     head.train(was)
     p = (ok_prefix / max(n_rows, 1)).tolist()
@@ -554,6 +565,9 @@ def evaluate(head: MtpHead, target, seqs: list[dict], vmap, W, steps: int, autoc
            "p_all_correct": p, "expected_accepted": [sum(p[:k]) for k in range(1, steps + 1)]}
     for s in range(2, steps + 1):
         res[f"top1_step{s}"] = p[s - 1] / p[s - 2] if p[s - 2] else 0.0
+    if stops:
+        res["stops"] = [{"min_prob": P, "drafts": float(d) / max(n_rows, 1), "accepted": float(a) / max(n_rows, 1)}
+                        for P, d, a in zip(stops, proposed, kept)]
     return res
 
 

@@ -142,7 +142,7 @@ class HeadRunner:
     # ---- the DraftRunner protocol ------------------------------------------------------
     def propose(self, states: list[DraftState], hidden: torch.Tensor, tokens: torch.Tensor, counts: list[int],
                 k: int, temperature: float, uniforms: torch.Tensor | None,
-                limits: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+                limits: list[int] | None = None, min_prob: float = 0.0) -> tuple[torch.Tensor, list[int]]:
         eng = self.engine
         B = len(states)
         drafts = torch.full((B, k), -1, dtype=torch.int64, device=eng.device)
@@ -182,10 +182,21 @@ class HeadRunner:
                 probs = torch.softmax(logits / temperature, dim=-1)
                 u = uniforms[[live[i] for i in active], j].to(logits.device)
                 choice = exp_race(probs, u)
+            else:
+                probs, choice = None, argmax(logits)
+            if min_prob > 0:  # the confidence stop: a chain ends before a draft the head doubts
+                sure = (torch.softmax(logits, dim=-1).gather(1, choice[:, None])[:, 0] >= min_prob).tolist()
+                if not all(sure):
+                    keep = [a for a in range(len(active)) if sure[a]]
+                    if not keep:
+                        break
+                    active = [active[a] for a in keep]
+                    sel = torch.tensor(keep, device=logits.device)
+                    last, normed, choice = (t.index_select(0, sel.to(t.device)) for t in (last, normed, choice))
+                    probs = None if probs is None else probs.index_select(0, sel)
+            if probs is not None:
                 for a, i in enumerate(active):
                     qs[i].append(probs[a])
-            else:
-                choice = argmax(logits)
             ids_j = choice if self._ids is None else self._ids.index_select(0, choice.to(self._ids.device))
             rows_b = [live[i] for i in active]
             drafts[rows_b, j] = ids_j.to(drafts.device)  # no host read: on a GPU the chain stays queued
@@ -209,7 +220,8 @@ class HeadRunner:
         if temperature > 0:
             for i, b in enumerate(live):
                 st = states[b]
-                st.q, st.drafts, st.at = torch.stack(qs[i]), drafts[b, :n[b]], st.ws.frozen + counts[b]
+                q = torch.stack(qs[i]) if qs[i] else None  # None: no draft (a confidence stop at the first)
+                st.q, st.drafts, st.at = q, drafts[b, :n[b]], st.ws.frozen + counts[b]
         return drafts, n
 
     def probs(self, state: DraftState, drafts: list[int]) -> torch.Tensor:

@@ -70,11 +70,12 @@ class DraftRunner(Protocol):
 
     def propose(self, states: list, hidden: torch.Tensor, tokens: torch.Tensor, counts: list[int], k: int,
                 temperature: float, uniforms: torch.Tensor | None,
-                limits: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+                limits: list[int] | None = None, min_prob: float = 0.0) -> tuple[torch.Tensor, list[int]]:
         """For each pass b: the head's KV rows for its window rows [0, counts[b]) (hidden[b, r]
         paired with tokens[b, r], the token that follows row r), then its chain to k drafts: argmax
         (temperature <= 0) or drawn from the tempered head distribution with uniforms[b, j]; pass b's
-        chain stops at limits[b] drafts. With limits[b] == 0 the rows may wait (their inputs kept)
+        chain stops at limits[b] drafts, and before a draft whose probability under the head's
+        softmax (temperature 1) is below min_prob. With limits[b] == 0 the rows may wait (their inputs kept)
         to be written with those of the pass's next drafting round, before the head reads them.
         Returns drafts [B, k] (padded with -1) and their numbers; keeps each pass's
         draft distributions for `probs`. Running the same pass again gives the same result."""

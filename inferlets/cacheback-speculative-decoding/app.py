@@ -4,7 +4,8 @@ Where the texts of earlier requests in the same namespace match the context long
 text does, the drafts come from them (the host's suffix index; --suffix-draft 0 turns that off).
 
 With --drafter NAME (an MTP head attached to the model), the hybrid: prompt lookup drafts where
-the context offers a match, the head drafts otherwise, in the same one device program.
+the context offers a match, the head drafts otherwise, in the same one device program; with
+--min-prob P the head's chain stops before a draft it gives less than probability P.
 
 The guest prefills prompt[:-1], traces the Cacheback program (`inferlet.cacheback`:
 verify the window [t0, d1..dK] against the target, append the committed tokens to "out",
@@ -23,7 +24,7 @@ from inferlet.world import generation_world
 # The lookup window covers most chat contexts whole (the LRU table holds what leaves it); the
 # lookup is one vectorised pass whatever its length (a byte search on the CPU).
 EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (2, int), "--drafter": ("", str),
-         "--head-len": (3, int), "--suffix-draft": (1, int)}
+         "--head-len": (3, int), "--suffix-draft": (1, int), "--min-prob": (0.0, float)}
 LOOKUP_WINDOW = 1024
 
 
@@ -45,10 +46,10 @@ def generate(args) -> None:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed,
             penalties=args.penalties(len(prompt)),
             lookup_window=max(LOOKUP_WINDOW, 2 * K + 2), drafter=drafter, head_len=H,
-            suffix=bool(args.extra["suffix_draft"]))
+            suffix=bool(args.extra["suffix_draft"]), min_prob=args.extra["min_prob"])
         first = None if drafter is None else mtp.mtp_prefill_program(
             drafter=drafter, draft_len=H, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-            window_capacity=max(K, H) + 1)
+            window_capacity=max(K, H) + 1, min_prob=args.extra["min_prob"])
     except ValueError as e:
         raise UsageError(str(e)) from None
     ws = model.working_set()

@@ -13,7 +13,8 @@ from inferlet.world import generation_world
 
 # --draft-len 2: on a CPU each verified row costs a share of a pass, and a chained head's later
 # drafts are accepted less often than its first (docs/performance.md has the MTP figures)
-EXTRA = {"--draft-len": (2, int), "--drafter": ("", str), "--fixed": (0, int)}
+# --min-prob P: the chain stops before a draft the head gives less than P (0: never)
+EXTRA = {"--draft-len": (2, int), "--drafter": ("", str), "--fixed": (0, int), "--min-prob": (0.0, float)}
 
 
 def generate(args) -> None:
@@ -33,9 +34,10 @@ def generate(args) -> None:
         program, specs = mtp.mtp_program(
             drafter=name, start=len(prompt) - 1, draft_len=K, eos_ids=model.eos_ids, max_tokens=args.max_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed, adaptive=not args.extra["fixed"],
-            penalties=args.penalties(len(prompt)))
+            penalties=args.penalties(len(prompt)), min_prob=args.extra["min_prob"])
         first = mtp.mtp_prefill_program(drafter=name, draft_len=K, max_tokens=args.max_tokens,
-                                        temperature=args.temperature, seed=args.seed)
+                                        temperature=args.temperature, seed=args.seed,
+                                        min_prob=args.extra["min_prob"])
     except ValueError as e:
         raise UsageError(str(e)) from None
     ws = model.working_set()

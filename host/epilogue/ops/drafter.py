@@ -41,16 +41,17 @@ def _draft(ctx, op, a):
     limits = [min(max(x, 0), k) for x in a[3].tolist()] if len(a) == 4 else [k] * len(states)
     T = float(at["temperature"])
     u = ctx.uniforms(Stream.DRAFT, at["seed"], [k, runner.draft_vocab_size]) if T > 0 else None
-    drafts, n = runner.propose(states, hidden, toks, counts, k, T, u, limits)
+    drafts, n = runner.propose(states, hidden, toks, counts, k, T, u, limits, float(at["min_prob"]))
     return [drafts.to(ctx.device), torch.tensor(n, dtype=torch.int64, device=ctx.device)]
 
 
 define("mtp_draft", F, args=(3, 4), results=2,
        attrs={"drafter": Attr("drafter"), "k": Attr("int", lo=1, hi=64),
-              "temperature": Attr("num", 0.0, lo=0.0, hi=100.0), "seed": Attr("int", 0)},
+              "temperature": Attr("num", 0.0, lo=0.0, hi=100.0), "seed": Attr("int", 0),
+              "min_prob": Attr("num", 0.0, lo=0.0, hi=1.0)},
        infer=_draft_infer, impl=_draft,
        doc="""`mtp_draft(hidden: f32 [R, H], tokens: i64 [n], count: i64 [], [limit: i64 []]; drafter, k,
-temperature=0, seed=0)` -> (drafts i64 [k], n i64 []). The MTP head `drafter` runs over the window rows [0, count) (clamped
+temperature=0, seed=0, min_prob=0)` -> (drafts i64 [k], n i64 []). The MTP head `drafter` runs over the window rows [0, count) (clamped
 to [0, min(R, n)]): row r pairs the target's hidden state `hidden[r]` (readout on every row from
 row 0; for an eagle3 head, the inputs of its layers, fused by its fc) with `tokens[r]`, the token that follows it; the head writes its own KV rows at those rows
 (they must be the rows this pass folds). Then it chains: its last row's output drafts d1, which with
@@ -60,6 +61,9 @@ vocabulary only drafts ids in it. With `limit` (clamped to [0, k]) the chain sto
 drafts: 0 drafts nothing, and the host keeps the rows' inputs to write the head's rows in the pass
 of the next round that drafts (a round that will not draft pays no head pass). n = min(k, limit) unless the chain reached the model's context or the pass's
 spare rows (the host reserves k - 1 past the window for a program with this op); drafts past n are -1.
+With min_prob > 0 the chain also stops before a draft whose probability under the head's softmax
+(temperature 1, whatever `temperature` draws with) is below min_prob, the confidence stop: a draft
+the head doubts costs a verify row and rarely pays (lossless: the verifier never sees it).
 Typical: after verification, `mtp_draft(hidden, vt, cnt; ...)` gives the next window's drafts;
 for a prefill of prompt p with fold len(p) - 1, `mtp_draft(hidden, p[1:], len(p) - 1; ...)`.""")
 

@@ -95,7 +95,8 @@ def short_draft(K):
 def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_ids=(), max_tokens=256,
                       temperature=0.0, top_p=1.0, seed=0, lookup_window=256, lru_size=64, lru_ngram=2,
                       probe_after=4, probe_max=32, verify=None, start=None, drafter=None, head_len=3,
-                      head_gate=HEAD_GATE, top_k=0, min_p=0.0, logit_bias=None, penalties=None, suffix=True):
+                      head_gate=HEAD_GATE, top_k=0, min_p=0.0, logit_bias=None, penalties=None, suffix=True,
+                      min_prob=0.0):
     """Trace the Cacheback speculative-decoding epilogue.
 
     The guest commits prompt[:-1] to the working set first, then loops a pass whose
@@ -116,7 +117,8 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     prompt lookup when the context offers a match (and the gate is open), else by the head
     (`head_len` drafts, chained); the head is given every round's folded rows either way (the host
     writes them when it next drafts), so its state is current whenever it drafts. Channel "source"
-    (1 cell) says where the window's drafts came from (1: the head), for sampled verification's q. The guest's prompt pass must run the
+    (1 cell) says where the window's drafts came from (1: the head), for sampled verification's q.
+    min_prob: the head's confidence stop (op mtp_draft). The guest's prompt pass must run the
     head's prefill program (`mtp.mtp_prefill_program`) with window_capacity = the "window" spec's.
 
     suffix: also draft from the texts of earlier requests in the same namespace (op suffix_draft:
@@ -136,8 +138,8 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
                          "followers of the leaders leaving the window from the history)")
     if not 0 < top_p <= 1:
         raise ValueError("top_p must be in (0, 1]")
-    if drafter is not None and (K < 1 or head_len < 1):
-        raise ValueError("the hybrid needs draft_len_max >= 1 and head_len >= 1")
+    if drafter is not None and (K < 1 or head_len < 1 or not 0 <= min_prob <= 1):
+        raise ValueError("the hybrid needs draft_len_max >= 1, head_len >= 1 and 0 <= min_prob <= 1")
     H = int(head_len) if drafter is not None else 0
     Kw = max(K, H)  # the window's most drafts
     base = len(prompt) - 1 if start is None else int(start)
@@ -175,7 +177,7 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
                       head_gate)
         # the head is given the folded rows every round; it runs and chains only when its drafts are used
         d, dn = p.mtp_draft(p.hidden(), vt, fold, drafter, H, temperature, seed,
-                            limit=p.where(lookup, 0, p.minimum(room, h_gate)))
+                            limit=p.where(lookup, 0, p.minimum(room, h_gate)), min_prob=min_prob)
         nxt = p.where(lookup, p.dyn_slice(cand, 0, K, size=Kw), p.dyn_slice(d, 0, H, size=Kw))
         k_next = p.minimum(p.where(lookup, p.minimum(cand_n, k_gate), dn), room)
         j = p.arange(1)

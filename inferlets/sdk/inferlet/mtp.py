@@ -18,10 +18,11 @@ from .cacheback import HEAD_GATE, gate
 from .round import emit_and_fold, head_verify, verify_window
 
 
-def mtp_prefill_program(*, drafter, draft_len=4, max_tokens=256, temperature=0.0, seed=0, window_capacity=None):
+def mtp_prefill_program(*, drafter, draft_len=4, max_tokens=256, temperature=0.0, seed=0, window_capacity=None,
+                        min_prob=0.0):
     """The prompt's pass: window = the prompt, readout on every row, fold len(prompt) - 1. Writes
     the first window [prompt[-1], drafts...] to channel "window" (capacity window_capacity, default
-    draft_len + 1)."""
+    draft_len + 1). min_prob: the head's confidence stop (op mtp_draft)."""
     K = int(draft_len)
     if K < 1:
         raise ValueError("draft_len must be >= 1")
@@ -30,7 +31,7 @@ def mtp_prefill_program(*, drafter, draft_len=4, max_tokens=256, temperature=0.0
     win, hidden = p.window(), p.hidden()
     W = win.size()
     t0 = p.dyn_slice(win, W - 1, 1, size=1)
-    d, dn = p.mtp_draft(hidden, win[1:], W - 1, drafter, K, temperature, seed)
+    d, dn = p.mtp_draft(hidden, win[1:], W - 1, drafter, K, temperature, seed, min_prob=min_prob)
     k1 = p.minimum(dn, max(min(K, max_tokens - 1), 0))
     p.set("window", p.concat(t0, d), k1 + 1)
     return p.to_json()
@@ -38,15 +39,17 @@ def mtp_prefill_program(*, drafter, draft_len=4, max_tokens=256, temperature=0.0
 
 def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temperature=0.0, top_p=1.0, seed=0,
                 adaptive=True, probe_after=4, probe_max=32, gate_rule=HEAD_GATE, top_k=0, min_p=0.0,
-                logit_bias=None, penalties=None):
+                logit_bias=None, penalties=None, min_prob=0.0):
     """Trace the MTP round. start: the frozen length when the loop starts (len(prompt) - 1).
+    min_prob: the chain stops before a draft the head gives less than that probability (op mtp_draft).
     Returns (json_text, channel specs {name, dtype, capacity, init}): "out", "window" (filled by the
     prefill program), and "spec_state" (the draft gate's state) when adaptive."""
     from .cacheback import GATE_INIT
 
     K = int(draft_len)
-    if K < 1 or max_tokens < 1 or not 0 < top_p <= 1 or not 1 <= probe_after <= probe_max:
-        raise ValueError("need draft_len >= 1, max_tokens >= 1, 0 < top_p <= 1, 1 <= probe_after <= probe_max")
+    if K < 1 or max_tokens < 1 or not 0 < top_p <= 1 or not 1 <= probe_after <= probe_max or not 0 <= min_prob <= 1:
+        raise ValueError("need draft_len >= 1, max_tokens >= 1, 0 < top_p <= 1, 1 <= probe_after <= probe_max, "
+                         "0 <= min_prob <= 1")
     p = trace.Program(readout="window")
     p.channel("out", "i64", max_tokens)
     p.channel("window", "i64", K + 1)
@@ -61,7 +64,7 @@ def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temp
     limit = p.maximum(max_tokens - out_len - emit - 1, 0)
     if adaptive:
         limit = p.minimum(limit, gate(p, drafts.size(), n, K, int(probe_after), int(probe_max), rule=gate_rule))
-    d, k_next = p.mtp_draft(hidden, vt, fold, drafter, K, temperature, seed, limit=limit)
+    d, k_next = p.mtp_draft(hidden, vt, fold, drafter, K, temperature, seed, limit=limit, min_prob=min_prob)
     t0 = p.dyn_slice(vt, n, 1, size=1)
     p.set("window", p.concat(t0, d), k_next + 1)
     specs = [{"name": "out", "dtype": "i64", "capacity": max_tokens, "init": []},

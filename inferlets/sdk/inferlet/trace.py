@@ -416,14 +416,15 @@ class Program:
                         ["i64", "i64"], 2)
 
     # --- draft heads ---------------------------------------------------------
-    def mtp_draft(self, hidden, tokens, count, drafter, k, temperature=0.0, seed=0, limit=None):
+    def mtp_draft(self, hidden, tokens, count, drafter, k, temperature=0.0, seed=0, limit=None, min_prob=0.0):
         """Run the MTP head `drafter` over window rows [0, count) (hidden[r] with tokens[r], the token
-        after row r), then chain it to min(k, limit) drafts -> (drafts [k] padded with -1, their number)."""
+        after row r), then chain it to min(k, limit) drafts -> (drafts [k] padded with -1, their number);
+        with min_prob > 0 the chain stops before a draft the head gives less than that probability."""
         args = [hidden, tokens, self._lift(count, "i64")] + ([] if limit is None else [self._lift(limit, "i64")])
-        return self._op("mtp_draft", args,
-                        {"drafter": str(drafter), "k": int(k), "temperature": float(temperature),
-                         "seed": _op_seed(seed)},
-                        ["i64", "i64"], 2)
+        attrs = {"drafter": str(drafter), "k": int(k), "temperature": float(temperature), "seed": _op_seed(seed)}
+        if min_prob:
+            attrs["min_prob"] = float(min_prob)
+        return self._op("mtp_draft", args, attrs, ["i64", "i64"], 2)
 
     def draft_probs(self, drafts, from_head, drafter):
         """f32 [k, V]: the head's distributions of its last sampled drafts (from_head), else one-hot."""
