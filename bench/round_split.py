@@ -1,7 +1,7 @@
 """Where a speculative round's time goes: the target's pass, the draft head's steps, the rest.
 
     python -m bench.round_split [--model NAME] [--per-category 1] [--new-tokens 128] [--repeats 2]
-                                [--min-prob P,...]
+                                [--min-prob P,...] [--draft-len K]
 
 Runs text-completion, mtp-speculative-decoding and the hybrid (cacheback --drafter) greedy on
 dev prompts (chat template) through the real runtime and engine, on a model with a head attached
@@ -19,7 +19,8 @@ Each is reported in milliseconds per round (a round: one target pass after the p
 what follows it up to the next), with tokens committed per round and milliseconds per token; the
 prompt's pass and its epilogue are left out. A prompt's run with the fastest rounds of --repeats
 counts; the median over prompts is reported. Writes JSON, a table and a stacked-bar chart to results/.
---min-prob adds MTP and the hybrid with the head's confidence stop at each P (`--min-prob P`).
+--min-prob adds MTP and the hybrid with the head's confidence stop at each P (`--min-prob P`), MTP
+with --draft-len K where given (a stopped chain can afford a longer one).
 """
 
 from __future__ import annotations
@@ -116,8 +117,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--min-prob", default="", help="comma-separated confidence stops to add MTP and hybrid runs at")
+    ap.add_argument("--draft-len", type=int, default=None, help="the stopped MTP runs' --draft-len")
     args = ap.parse_args(argv)
-    contenders = CONTENDERS + [(f"{label} p={p}", inferlet, [*extra, "--min-prob", p])
+    k = [] if args.draft_len is None else ["--draft-len", str(args.draft_len)]
+    contenders = CONTENDERS + [(f"{label} p={p}" + (f" k={args.draft_len}" if k and label == "mtp" else ""),
+                                inferlet, [*extra, *(k if label == "mtp" else []), "--min-prob", p])
                                for p in filter(None, args.min_prob.split(","))
                                for label, inferlet, extra in CONTENDERS[1:]]
 

@@ -130,6 +130,23 @@ def test_refusals(ops):
     assert ops.block_linear(torch.empty(0, 64), packed, T.Q8_0, None, 70).shape == (0, 70)
 
 
+def test_a_float_linear_in_blocks(ops):
+    """from_linear: BF16 and F16 keep such weights exactly; Q8_0 is gguf-py's quantization, widened
+    exactly, and the bias rides along."""
+    from gguf.quants import dequantize, quantize
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
+    assert torch.equal(blocks.from_linear(lin, blocks.GGML["BF16"]).weight, lin.weight)
+    q = blocks.from_linear(lin, blocks.GGML["Q8_0"])
+    w = lin.weight.detach().numpy()
+    assert torch.equal(q.weight, torch.from_numpy(dequantize(quantize(w, T.Q8_0), T.Q8_0).reshape(w.shape)))
+    assert torch.equal(q.bias, lin.bias) and q.format == T.Q8_0
+    assert blocks.from_linear(lin, blocks.GGML["Q8_0"], q8=True).format == blocks.Q8_ACTIVATIONS + T.Q8_0
+
+
 @pytest.mark.parametrize("kind", FORMATS, ids=lambda t: t.name)
 def test_rows_taken_from_packed_blocks(ops, kind):
     """take_rows (a draft head's readout over its vocabulary's rows of the target's): the rows of a

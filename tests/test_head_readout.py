@@ -46,3 +46,24 @@ def test_rows_taken_in_the_q8_arithmetic_are_the_q8_readouts_columns(engine):
     for rows in (1, 3, 8):
         x = torch.randn(rows, target_out.in_features, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(Readout(head_q8)(x), Readout(target_q8)(x)[:, vocab]), rows
+
+
+def test_the_heads_linears_are_in_q8_0_blocks_as_gguf_quantizes_them(engine):
+    """On a target in blocks, each float linear of a head (its block's and its fc's) runs as Q8_0
+    blocks (drafting.to_blocks): the weights gguf-py's reference quantizer gives, widened exactly."""
+    from gguf.quants import dequantize, quantize
+
+    from host.drafter.mtp import load_head
+    from host.engine import drafting
+    from host.store import drafter_path, read_record
+
+    rec = read_record(engine.info.name)
+    for name, runner in engine.heads.items():
+        converted = [(n, m) for n, m in runner.head.named_modules() if isinstance(m, BlockLinear)]
+        assert len(converted) >= 7 and all(m.format == drafting.HEAD_BLOCKS for _, m in converted)
+        assert not any(type(m) is torch.nn.Linear for m in runner.head.block.modules())
+        fresh, _ = load_head(drafter_path(rec, name), engine.model, dtype=torch.float32)
+        for n, m in converted[:3]:
+            w = fresh.get_submodule(n).weight.detach().numpy()
+            want = torch.from_numpy(dequantize(quantize(w, 8), 8).reshape(w.shape))
+            assert torch.equal(m.weight, want), n

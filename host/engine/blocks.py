@@ -124,6 +124,7 @@ FORMATS = {f.ggml: f for f in (
     Format("BF16", 30, 32, 64, (), 32, 16, _wide16),
 )}
 WIDE16 = {torch.float16: 1, torch.bfloat16: 30}  # a 16-bit float dtype's format
+GGML = {f.name: g for g, f in FORMATS.items()}  # a format's ggml type by its name
 Q8_ACTIVATIONS = 256  # + a ggml type: its blocks read with 8-bit activations (csrc/q8_linear.cpp)
 Q8_KERNELS = (2, 3, 8, 12, 13, 14)  # the ggml types that have such a kernel: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 
@@ -376,6 +377,20 @@ def install(model: torch.nn.Module, weight: str, raw: torch.Tensor, ggml: int,
         raise ValueError(f"{weight}: a {type(old).__name__} cannot read blocks")
     setattr(parent, child, new)
     return new
+
+
+def from_linear(linear: torch.nn.Linear, ggml: int, q8: bool = False) -> BlockLinear:
+    """A float linear as a block module of `ggml` (rows of whole 32-weight groups): Q8_0 as gguf-py's
+    reference quantizer writes it (a draft head's block: its drafts may move, never the target's
+    output), or F16/BF16 (exact where the weights are such floats); 8-bit activations where `q8`."""
+    from gguf.quants import quantize
+
+    w = linear.weight.detach().float().cpu()
+    wide = next((dt for dt, g in WIDE16.items() if g == ggml), None)
+    raw = w.to(wide).view(torch.uint8) if wide is not None else torch.from_numpy(quantize(w.numpy(), ggml))
+    format = q8_format(ggml) if q8 else ggml
+    bias = None if linear.bias is None else linear.bias.detach().float().cpu()
+    return BlockLinear(pack(raw, format), format, linear.out_features, linear.in_features, bias)
 
 
 def tie(head: torch.nn.Module, embedding: BlockEmbedding) -> BlockLinear:

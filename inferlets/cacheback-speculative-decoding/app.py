@@ -5,7 +5,7 @@ text does, the drafts come from them (the host's suffix index; --suffix-draft 0 
 
 With --drafter NAME (an MTP head attached to the model), the hybrid: prompt lookup drafts where
 the context offers a match, the head drafts otherwise, in the same one device program; with
---min-prob P the head's chain stops before a draft it gives less than probability P.
+--min-prob P (default 0.2) the head's chain stops before a draft it gives less than probability P.
 
 The guest prefills prompt[:-1], traces the Cacheback program (`inferlet.cacheback`:
 verify the window [t0, d1..dK] against the target, append the committed tokens to "out",
@@ -24,7 +24,8 @@ from inferlet.world import generation_world
 # The lookup window covers most chat contexts whole (the LRU table holds what leaves it); the
 # lookup is one vectorised pass whatever its length (a byte search on the CPU).
 EXTRA = {"--draft-len": (8, int), "--ngram-max": (3, int), "--ngram-min": (2, int), "--drafter": ("", str),
-         "--head-len": (3, int), "--suffix-draft": (1, int), "--min-prob": (0.0, float)}
+         "--head-len": (3, int), "--suffix-draft": (1, int),
+         "--min-prob": (cacheback.HEAD_MIN_PROB, float)}
 LOOKUP_WINDOW = 1024
 
 

@@ -7,14 +7,15 @@ committed rows and chains it into the next window (`inferlet.mtp`). The guest on
 committed tokens: no call per round.
 """
 
-from inferlet import Model, UsageError, mtp
+from inferlet import Model, UsageError, cacheback, mtp
 from inferlet.loop import head_prompt_pass, run_window_loop
 from inferlet.world import generation_world
 
 # --draft-len 2: on a CPU each verified row costs a share of a pass, and a chained head's later
 # drafts are accepted less often than its first (docs/performance.md has the MTP figures)
 # --min-prob P: the chain stops before a draft the head gives less than P (0: never)
-EXTRA = {"--draft-len": (2, int), "--drafter": ("", str), "--fixed": (0, int), "--min-prob": (0.0, float)}
+EXTRA = {"--draft-len": (2, int), "--drafter": ("", str), "--fixed": (0, int),
+         "--min-prob": (cacheback.HEAD_MIN_PROB, float)}
 
 
 def generate(args) -> None:

@@ -56,6 +56,10 @@ LOOKUP_GATE = GateRule()
 # does not close the gate) and every draft takes all K (the head is about as likely right after a miss;
 # docs/speculative-decoding.md has the comparison)
 HEAD_GATE = GateRule(memory=8, shorten=False)
+# a head's confidence stop (op mtp_draft's min_prob), the inferlets' --min-prob default: at 0.2 the
+# eagle3 head's chain proposes under half its drafts and keeps 85% of the accepted ones (bench.head_dev),
+# and both MTP and the hybrid ran faster a token in the loop (bench.round_split; docs/speculative-decoding.md)
+HEAD_MIN_PROB = 0.2
 
 
 def draft_gate(state, drafted, accepted, K, probe_after=4, probe_max=32, rule=LOOKUP_GATE):
