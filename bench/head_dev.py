@@ -101,6 +101,7 @@ def main(argv=None) -> dict:
     V = model.get_output_embeddings().weight.shape[0]
     cats = sorted({r["category"] for r in rows})
     results = {}
+    stops = tuple(float(x) for x in args.stops.split(",") if x)
     for name in names:
         head, spec = load_head(_head_folder(rec, name), model, dtype=torch.float32)
         head.set_attention("sdpa")
@@ -109,7 +110,6 @@ def main(argv=None) -> dict:
         vmap = torch.full((V,), T.IGNORE, dtype=torch.long)
         ids = head.draft_vocab if head.draft_vocab is not None else torch.arange(V)
         vmap[ids] = torch.arange(len(ids))
-        stops = tuple(float(x) for x in args.stops.split(",") if x)
         overall = T.evaluate(head, model, seqs, vmap, W, args.steps, autocast=False, stops=stops)
         by_cat = {}
         for cat in cats:

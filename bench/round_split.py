@@ -19,8 +19,9 @@ Each is reported in milliseconds per round (a round: one target pass after the p
 what follows it up to the next), with tokens committed per round and milliseconds per token; the
 prompt's pass and its epilogue are left out. A prompt's run with the fastest rounds of --repeats
 counts; the median over prompts is reported. Writes JSON, a table and a stacked-bar chart to results/.
---min-prob adds MTP and the hybrid with the head's confidence stop at each P (`--min-prob P`), MTP
-with --draft-len K where given (a stopped chain can afford a longer one).
+"mtp" and "hybrid" run the inferlets' defaults, the confidence stop at cacheback.HEAD_MIN_PROB
+(0.2) included; --min-prob adds MTP and the hybrid with the stop at each P (`--min-prob P`; 0: no
+stop), MTP with --draft-len K where given (a stopped chain can afford a longer one).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 from host.epilogue import Env, compile_program
 from host.epilogue.ops import speculative
 from host.epilogue.ir import VERSION
+from host.epilogue.tensors import exp_race
 
 V, K, TRIALS, ALPHA = 5, 2, 6000, 1e-3
 P = torch.tensor([[0.50, 0.05, 0.20, 0.05, 0.20], [0.1, 0.2, 0.3, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])
@@ -24,14 +25,14 @@ TEXT = __import__("json").dumps({
 })
 
 
-def first_tokens(one_hot=False):
-    g = torch.Generator().manual_seed(1234)
+def first_tokens(one_hot=False, draft_seed=1234, logits=P, position=0):
+    g = torch.Generator().manual_seed(draft_seed)
     drafts = torch.stack([torch.multinomial(Q[i], TRIALS, replacement=True, generator=g) for i in range(K)], 1)
     text = TEXT if not one_hot else TEXT.replace('"args": [3, 0, 4]', '"args": [3, 0]')
     prog = compile_program(text)
     hidden = torch.cat([Q, torch.zeros(1, V)])
-    envs = [Env(logits=P, window=torch.cat([torch.tensor([0]), drafts[t]]), hidden=hidden, seed=t, round=3)
-            for t in range(TRIALS)]
+    envs = [Env(logits=logits, window=torch.cat([torch.tensor([0]), drafts[t]]), hidden=hidden, seed=t, round=3,
+                position=position) for t in range(TRIALS)]
     res = prog.run(envs, keep_values=True)
     toks = torch.stack([r.values[6] for r in res])  # [TRIALS, K+1]
     return toks, torch.stack([r.values[5] for r in res]), drafts
@@ -54,9 +55,37 @@ def test_rejection_sampling_keeps_target_distribution():
     assert ((toks >= 0).sum(1) == n + 1).all()
 
 
-def test_deterministic_drafts_one_hot_q():
-    toks, _, _ = first_tokens(one_hot=True)
+@covers("verify_sample")
+def test_deterministic_drafts_keep_target_distribution():
+    toks, n, _ = first_tokens(one_hot=True)
     assert chi_p(toks[:, 0], P[0]) > ALPHA
+    assert chi_p(toks[n >= 1, 1], P[1]) > ALPHA
+    assert (n == K).sum() > 50 and chi_p(toks[n == K, 2], P[2]) > ALPHA
+
+
+def test_deterministic_drafts_commit_the_targets_own_draws():
+    """Without q, a row's token is the target's draw at that row's position whatever was drafted,
+    and however the rounds split the text: the same seed gives the same tokens with any drafter."""
+    a, na, _ = first_tokens(one_hot=True)
+    b, nb, db = first_tokens(one_hot=True, draft_seed=99)
+    assert torch.equal(a[:, 0], b[:, 0])  # other drafts, the same first token
+    both = (na >= 1) & (nb >= 1)
+    assert both.sum() > 100 and torch.equal(a[both, 1], b[both, 1])
+    # a window starting one row later (its rows are the first window's rows 1..): its first token is
+    # the first window's second where that window accepted its first draft
+    later, _, _ = first_tokens(one_hot=True, logits=torch.cat([P[1:], P[:1]]), position=1)
+    assert torch.equal(later[na >= 1, 0], a[na >= 1, 1])
+    assert not torch.equal(later[:, 0], a[:, 0])  # the position keys the draw
+
+
+def test_broken_race_is_detected(monkeypatch):
+    def always_accept(drafts, p, u):
+        return speculative.verify_greedy(drafts, torch.cat([drafts, exp_race(p[:, -1:], u[:, -1:])], 1))
+
+    monkeypatch.setattr(speculative, "verify_race", always_accept)
+    toks, _, drafts = first_tokens(one_hot=True)
+    assert torch.equal(toks[:, 0], drafts[:, 0])
+    assert chi_p(toks[:, 0], P[0]) < ALPHA
 
 
 def test_broken_rule_is_detected(monkeypatch):

@@ -187,7 +187,8 @@ class HeadRunner:
             else:
                 probs, choice = None, argmax(logits)
             if min_prob > 0:  # the confidence stop: a chain ends before a draft the head doubts
-                sure = (torch.softmax(logits, dim=-1).gather(1, choice[:, None])[:, 0] >= min_prob).tolist()
+                conf = probs if temperature == 1 else torch.softmax(logits, dim=-1)
+                sure = (conf.gather(1, choice[:, None])[:, 0] >= min_prob).tolist()
                 if not all(sure):
                     keep = [a for a in range(len(active)) if sure[a]]
                     if not keep:

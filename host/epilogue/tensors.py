@@ -59,6 +59,15 @@ def uniforms(seed: int, position: int, stream: Stream, salt: int, shape: list[in
     return torch.rand(shape, generator=g, device=device, dtype=torch.float32)
 
 
+def row_uniforms(seed: int, position: int, stream: Stream, salt: int, rows: int, shape: list[int],
+                 device) -> torch.Tensor:
+    """[rows, *shape] uniforms in [0, 1): row r from its own generator, keyed by its own absolute
+    position (position + r), so a row's draws are the same whatever window it shares."""
+    if rows == 0:
+        return torch.empty([0, *shape], device=device, dtype=torch.float32)
+    return torch.stack([uniforms(seed, position + r, stream, salt, shape, device) for r in range(rows)])
+
+
 @dataclass
 class Ctx:
     B: int
@@ -77,6 +86,12 @@ class Ctx:
     def uniforms(self, stream: Stream, salt: int, shape: list[int]) -> torch.Tensor:
         """[B, *shape] uniforms in [0, 1); pass b's from its own generator (see draw_seed)."""
         return torch.stack([uniforms(s, p, stream, salt, shape, self.device) for s, p in zip(self.seeds, self.positions)])
+
+    def row_uniforms(self, stream: Stream, salt: int, rows: int, shape: list[int]) -> torch.Tensor:
+        """[B, rows, *shape] uniforms in [0, 1); row r of pass b keyed by the position of its window's
+        row r (see row_uniforms)."""
+        return torch.stack([row_uniforms(s, p, stream, salt, rows, shape, self.device)
+                            for s, p in zip(self.seeds, self.positions)])
 
 
 def align(t, rank: int):

@@ -141,9 +141,14 @@ def _verify_sample(ctx, op, a):
     q = a[2] if len(a) == 3 else None
     k, V = drafts.shape[1], p.shape[2]
     seed = op.attrs["seed"]
-    u_accept = ctx.uniforms(Stream.VERIFY_ACCEPT, seed, [k])
-    u_race = ctx.uniforms(Stream.VERIFY_RESIDUAL, seed, [k + 1, V])
-    return verify_sample(drafts, p, q, u_accept, u_race)
+    # row i's draws are keyed by row i's own position (p's rows are the window's rows), never by
+    # where the window starts: the outcome at a position does not depend on how rounds split the text
+    draw = ctx.row_uniforms(Stream.SAMPLE, seed, k + 1, [V])
+    if q is None:
+        return verify_race(drafts, p, draw)
+    u_accept = ctx.row_uniforms(Stream.VERIFY_ACCEPT, seed, k, [])
+    u_resid = ctx.row_uniforms(Stream.VERIFY_RESIDUAL, seed, k, [V])
+    return verify_sample(drafts, p, q, u_accept, torch.cat([u_resid, draw[:, k:]], 1))
 
 
 define("verify_greedy", F, args=2, results=3, infer=_verify_infer("verify_greedy"),
@@ -159,12 +164,17 @@ then -1; count = n+1. Typical: drafts = window[1:], target = argmax(logits) with
 define("verify_sample", F, args=(2, 3), results=3, attrs={"seed": Attr("int", 0)},
        infer=_verify_infer("verify_sample"), impl=_verify_sample,
        doc="""`verify_sample(drafts: i64 [k], p: f32 [k+1, V], [q: f32 [k, V]]; seed=0)` -> the same three
-results. p and q are probabilities (rows are renormalised); without q the drafts were
-deterministic and q is one-hot at the draft. Draft i is accepted when u_i * q_i(x_i) < p_i(x_i),
-u_i ~ U[0,1) (i.e. with probability min(1, p/q)); n = leading accepts; drafts outside [0, V) are
-rejected. The token at row n is drawn from normalise(max(0, p_n - q_n)) (from p_n when that is
-all zero), or from p_k when n = k (the bonus token). Output tokens follow p exactly (Leviathan et
-al. 2023).""")
+results. p's rows are the window's rows (readout on every row) and q's the drafts' distributions;
+each row's random draws are keyed by the run's seed, the op's seed and that row's own position.
+Without q the drafts were deterministic (prompt lookup, a grammar, earlier requests): row i's
+token is the target's own draw t_i from p_i (the exponential race the `sample` op runs, over
+row i's uniforms) and a draft is accepted while it equals t_i, so the committed tokens are the
+same whatever was drafted (an accepted draft with probability p_i(x), as rejection sampling with
+a one-hot q gives). With q, Leviathan et al.'s rule: draft i is accepted when u_i * q_i(x_i) <
+p_i(x_i) (with probability min(1, p/q)); the token at the first rejection is drawn from
+normalise(max(0, p_n - q_n)) (from p_n when that is all zero), and the bonus token after k
+accepted drafts is t_k. n = leading accepts; drafts outside [0, V) are rejected. Either way the
+output tokens follow p exactly.""")
 
 
 def verify_greedy(drafts: torch.Tensor, target: torch.Tensor):
@@ -191,18 +201,22 @@ def verify_greedy_np(drafts: np.ndarray, target: np.ndarray):
     return n, toks, n + 1
 
 
+def verify_race(drafts, p, u):
+    """Deterministic drafts against the target's own draws: t = exp_race(p, u) per row [B, k+1]
+    (p as given: the weights plain sampling draws from), then verify_greedy(drafts, t)."""
+    return verify_greedy(drafts, exp_race(p, u))
+
+
 def verify_sample(drafts, p, q, u_accept, u_race):
     """Leviathan et al. rejection sampling. drafts [B, k], p [B, k+1, V] target probabilities,
-    q [B, k, V] draft probabilities (None: drafts were deterministic, q is one-hot)."""
+    q [B, k, V] draft probabilities; u_race [B, k+1, V]: each row's residual draw's uniforms, then
+    the bonus row's."""
     B, k = drafts.shape
     V = p.shape[2]
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     valid = (drafts >= 0) & (drafts < V)
     dc = drafts.clamp(0, V - 1).unsqueeze(-1)
-    if q is None:
-        q = torch.zeros(B, k, V, dtype=p.dtype, device=p.device).scatter(-1, dc, 1.0)
-    else:
-        q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
+    q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
     px = p[:, :k].gather(-1, dc).squeeze(-1)
     qx = q.gather(-1, dc).squeeze(-1)
     accept = valid & (u_accept * qx < px)  # u < p(x)/q(x) without dividing
