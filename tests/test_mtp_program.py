@@ -239,11 +239,11 @@ def test_seeded_sampled_runs_repeat(tiny_module, greedy_text):
     assert a == b and a != c
 
 
-def sample_pairs(eng, verify=None, runs=600, min_prob=0.0):
+def sample_pairs(eng, verify=None, runs=600, min_prob=0.0, **kw):
     sched = Scheduler(eng)
     try:
         started = [start(sched, eng, DIST_PROMPT, K=2, max_tokens=3, seed=s, temperature=T, top_p=TOP_P,
-                         adaptive=False, verify=verify, min_prob=min_prob) for s in range(runs)]
+                         adaptive=False, verify=verify, min_prob=min_prob, **kw) for s in range(runs)]
         stats = [fut.result(timeout=120) for _, _, fut in started]
     finally:
         sched.close()
@@ -253,14 +253,17 @@ def sample_pairs(eng, verify=None, runs=600, min_prob=0.0):
     return pairs, stats
 
 
-@pytest.mark.parametrize("layers,min_prob", [(None, 0.0), (EAGLE3_LAYERS, 1 / 6)], ids=["mtp", "eagle3-min-prob"])
-def test_sampled_output_has_the_target_distribution(tiny_module, layers, min_prob):
-    """With the eagle3 head, also the confidence stop (min_prob): some windows end before a draft
-    drawn and then dropped, never verified; the distribution stays the target's."""
+@pytest.mark.parametrize("layers,min_prob,rejection", [(None, 0.0, False), (EAGLE3_LAYERS, 1 / 6, False),
+                                                       (None, 0.0, True)], ids=["mtp", "eagle3-min-prob", "rejection"])
+def test_sampled_output_has_the_target_distribution(tiny_module, layers, min_prob, rejection):
+    """Drafts coupled to the target's draws and verified against them, or (rejection) verified by
+    Leviathan's rule with the head's q. With the eagle3 head, also the confidence stop (min_prob):
+    some windows end before a draft drawn and then dropped, never verified; the distribution stays
+    the target's."""
     # drafts from the head restricted to tokens the target gives moderate mass after DIST_PROMPT
     eng, ref = head_engine(tiny_module, [92, 32, 79, 63, 85, 65], kv_pages=16384, layers=layers)
     exact = exact_pairs(ref, DIST_PROMPT)
-    pairs, stats = sample_pairs(eng, min_prob=min_prob)  # a random head over 6 ids: about half its draws
+    pairs, stats = sample_pairs(eng, min_prob=min_prob, rejection=rejection)  # a random head over 6 ids
     accepted, drafted = sum(s.accepted for s in stats), sum(s.drafted for s in stats)
     assert 0 < accepted < drafted
     if min_prob:
@@ -430,6 +433,28 @@ def test_draft_probs_are_the_heads_distributions_or_one_hot(tiny_module):
     torch.testing.assert_close(q[0], ref_q[0], atol=1e-5, rtol=1e-4)
     with pytest.raises(InvalidArgument, match="not the head's last sampled proposal"):
         runner.probs(runner.bind(ws).state, [drafts[0] + 1])
+
+
+def test_a_sampled_draft_is_coupled_to_the_targets_draw(tiny_module):
+    """The head draws its draft with the uniforms verify_sample draws the target's own token with
+    at the row that verifies it (the next window's first row: the prompt's last position)."""
+    from host.epilogue.tensors import Stream, exp_race, uniforms
+
+    eng, ref = head_engine(tiny_module, list(range(0, 97, 2)))
+    head, Tq = eng.heads[NAME].head, 0.9
+    _, ref_q = reference_drafts(ref, head, PROMPT_REF, 1, temperature=Tq)
+    got, want = [], []
+    for seed in range(6):
+        sched = Scheduler(eng)
+        try:
+            ws, win, _ = _prefill_only(sched, eng, PROMPT_REF, K=1, temperature=Tq, seed=seed)
+        finally:
+            sched.close()
+        got.append(cells(win)[1])
+        eng.release(ws)
+        u = uniforms(seed, len(PROMPT_REF) - 1, Stream.SAMPLE, seed, [97], "cpu")
+        want.append(int(exp_race(ref_q[0][None], u[None])[0]))
+    assert got == want and len(set(got)) > 1
 
 
 def _ir_index(p, v) -> int:

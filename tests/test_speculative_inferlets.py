@@ -147,13 +147,13 @@ def test_draft_len_zero_is_plain_decoding(runtime, text_completion_wasm, cacheba
 
 def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_proposer_wasm, mtp_wasm, drafter):
     """A seed repeats a run while other runs share the batch and the namespace's suffix index, whose
-    drafts then differ from run to run: deterministic drafts are verified against the target's own
-    draws, so cacheback gives the same tokens whatever it drafted, with --draft-len 0 too. The
-    hybrid's head rounds use the head's distributions, so which rounds the head drafts changes its
-    draws: its seeded run repeats with its drafts its own (--suffix-draft 0)."""
+    drafts then differ from run to run: the device loops commit the target's own draws, keyed by
+    the seed and the position, whatever was drafted (a head's sampled drafts are coupled to them),
+    so cacheback with or without drafts, MTP and the hybrid give one text at one seed.
+    ngram-proposer verifies in the guest with its own generator: its run repeats."""
     prompt = dev_prompts()[0]["prompt"]
     other = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "99")
-    hybrid = ("--drafter", drafter, "--suffix-draft", "0")
+    hybrid = ("--drafter", drafter)
     jobs = [(w, h + a) for w, h in ((cacheback_wasm, ()), (ngram_proposer_wasm, ()), (mtp_wasm, ()), (cacheback_wasm, hybrid))
             for a in (SAMPLED, SAMPLED, other)] + [(cacheback_wasm, ("--draft-len", "0") + SAMPLED)]
     hs = [runtime.start(w, _args(prompt, 24, *a)) for w, a in jobs]
@@ -163,7 +163,10 @@ def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_proposer
         assert a.token_ids == b.token_ids and len(a.token_ids) > 0
         assert c.token_ids != a.token_ids  # another seed draws differently
         _check_stats(a)
-    assert res[12].token_ids == res[0].token_ids and res[12].stats["drafted_tokens"] == 0
+    assert res[12].stats["drafted_tokens"] == 0
+    assert res[12].token_ids == res[0].token_ids == res[6].token_ids == res[9].token_ids
+    assert res[2].token_ids == res[8].token_ids == res[11].token_ids  # seed 99 too
+    assert res[6].stats["accepted_tokens"] > 0 and res[9].stats["accepted_tokens"] > 0
 
 
 def test_seeds_of_64_bits_sample(runtime, cacheback_wasm, mtp_wasm):

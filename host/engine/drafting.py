@@ -119,7 +119,7 @@ class HeadRunner:
         if isinstance(target_out, BlockLinear):  # the head's linears in blocks too, read as the target's
             to_blocks(head, q8=target_out.format >= blocks.Q8_ACTIVATIONS)
         self.draft_vocab_size = out.out_features
-        self._ids = head.draft_vocab  # head output index -> target id (None: the identity)
+        self.draft_ids = self._ids = head.draft_vocab  # head output index -> target id (None: the identity)
         self.linears = PackedLinears(head)
         # the block runs in the engine's layer stack where the target's layers do (stack.py): the
         # same calls as one more target layer, over the head's own layer of the pool
@@ -182,7 +182,7 @@ class HeadRunner:
             logits = self._out(normed).float()
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1)
-                u = uniforms[[live[i] for i in active], j].to(logits.device)
+                u = uniforms([live[i] for i in active], j).to(logits.device)
                 choice = exp_race(probs, u)
             else:
                 probs, choice = None, argmax(logits)

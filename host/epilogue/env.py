@@ -60,6 +60,10 @@ class GrammarMatcher(Protocol):
         """Up to `limit` tokens the grammar forces next."""
 
 
+# draws(bs, j): [len(bs), draft_vocab_size] uniforms for draft j of passes bs (made on demand)
+DraftDraws = Callable[[list[int], int], torch.Tensor]
+
+
 class DraftRunner(Protocol):
     """A draft head attached to the model, run by the host over its own KV rows (the engine's
     HeadRunner); the executor never imports its model code. `state` objects are its per-working-set
@@ -67,13 +71,14 @@ class DraftRunner(Protocol):
 
     vocab_size: int  # the target's vocabulary: drafts and probabilities index it
     draft_vocab_size: int  # the ids the head drafts from (its uniforms per draft)
+    draft_ids: torch.Tensor | None  # head output index -> target id (None: the identity)
 
     def propose(self, states: list, hidden: torch.Tensor, tokens: torch.Tensor, counts: list[int], k: int,
-                temperature: float, uniforms: torch.Tensor | None,
+                temperature: float, uniforms: DraftDraws | None,
                 limits: list[int] | None = None, min_prob: float = 0.0) -> tuple[torch.Tensor, list[int]]:
         """For each pass b: the head's KV rows for its window rows [0, counts[b]) (hidden[b, r]
         paired with tokens[b, r], the token that follows row r), then its chain to k drafts: argmax
-        (temperature <= 0) or drawn from the tempered head distribution with uniforms[b, j]; pass b's
+        (temperature <= 0) or drawn from the tempered head distribution with uniforms([b], j); pass b's
         chain stops at limits[b] drafts, and before a draft whose probability under the head's
         softmax (temperature 1) is below min_prob. With limits[b] == 0 the rows may wait (their inputs kept)
         to be written with those of the pass's next drafting round, before the head reads them.

@@ -37,7 +37,6 @@ class Stream(enum.IntEnum):
     RAND = 2  # the `rand` op
     VERIFY_ACCEPT = 3  # verify_sample's accept tests
     VERIFY_RESIDUAL = 4  # verify_sample's draw from the residual (or bonus) distribution
-    DRAFT = 5  # a draft head's sampled drafts
 
 
 def draw_seed(seed: int, position: int, stream: Stream, salt: int) -> int:

@@ -14,8 +14,10 @@ from inferlet.world import generation_world
 # --draft-len 2: on a CPU each verified row costs a share of a pass, and a chained head's later
 # drafts are accepted less often than its first (docs/performance.md has the MTP figures)
 # --min-prob P: the chain stops before a draft the head gives less than P (0: never)
+# --rejection 1: sampled drafts verified by Leviathan's rule with the head's q, not against the target's
+# own draws (the same distribution; the tokens then depend on the drafts)
 EXTRA = {"--draft-len": (2, int), "--drafter": ("", str), "--fixed": (0, int),
-         "--min-prob": (cacheback.HEAD_MIN_PROB, float)}
+         "--min-prob": (cacheback.HEAD_MIN_PROB, float), "--rejection": (0, int)}
 
 
 def generate(args) -> None:
@@ -35,7 +37,8 @@ def generate(args) -> None:
         program, specs = mtp.mtp_program(
             drafter=name, start=len(prompt) - 1, draft_len=K, eos_ids=model.eos_ids, max_tokens=args.max_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed, adaptive=not args.extra["fixed"],
-            penalties=args.penalties(len(prompt)), min_prob=args.extra["min_prob"])
+            penalties=args.penalties(len(prompt)), min_prob=args.extra["min_prob"],
+            rejection=bool(args.extra["rejection"]))
         first = mtp.mtp_prefill_program(drafter=name, draft_len=K, max_tokens=args.max_tokens,
                                         temperature=args.temperature, seed=args.seed,
                                         min_prob=args.extra["min_prob"])

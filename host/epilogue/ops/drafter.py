@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from host.epilogue.ir import Dim, ProgramError, Value
-from host.epilogue.tensors import Stream
+from host.epilogue.tensors import Stream, uniforms
 from host.epilogue.ops.spec import Attr, define, family
 
 F = family("drafter", "Draft heads (attached to the model at import; named by `drafter`):")
@@ -40,9 +40,25 @@ def _draft(ctx, op, a):
     k = at["k"]
     limits = [min(max(x, 0), k) for x in a[3].tolist()] if len(a) == 4 else [k] * len(states)
     T = float(at["temperature"])
-    u = ctx.uniforms(Stream.DRAFT, at["seed"], [k, runner.draft_vocab_size]) if T > 0 else None
+    u = _coupled_draws(ctx, runner, counts, at["seed"]) if T > 0 else None
     drafts, n = runner.propose(states, hidden, toks, counts, k, T, u, limits, float(at["min_prob"]))
     return [drafts.to(ctx.device), torch.tensor(n, dtype=torch.int64, device=ctx.device)]
+
+
+def _coupled_draws(ctx, runner, counts: list[int], salt: int):
+    """DraftDraws for pass b's draft j: the uniforms verify_sample draws the target's own token with
+    at the row that verifies it, the next window's row j (position: this window's first + the
+    rows folded + j), over the head's draft vocabulary. A head drawing its draft from the target's
+    uniforms drafts what the target draws wherever the two distributions agree (Gumbel-max
+    coupling): verification by the target's own draw then accepts it about as often as the
+    rejection rule with q would, and the committed tokens do not depend on the draft."""
+    V, ids = runner.vocab_size, runner.draft_ids
+
+    def draws(bs: list[int], j: int) -> torch.Tensor:
+        u = torch.stack([uniforms(ctx.seeds[b], ctx.positions[b] + counts[b] + j, Stream.SAMPLE, salt, [V], ctx.device)
+                         for b in bs])
+        return u if ids is None else u.index_select(1, ids.to(u.device))
+    return draws
 
 
 define("mtp_draft", F, args=(3, 4), results=2,
@@ -56,7 +72,9 @@ to [0, min(R, n)]): row r pairs the target's hidden state `hidden[r]` (readout o
 row 0; for an eagle3 head, the inputs of its layers, fused by its fc) with `tokens[r]`, the token that follows it; the head writes its own KV rows at those rows
 (they must be the rows this pass folds). Then it chains: its last row's output drafts d1, which with
 its output state drafts d2, and so on to k drafts: argmax, or with temperature > 0 drawn from the
-head's softmax(logits / temperature) (keyed draws, as `sample`). A head with a restricted draft
+head's softmax(logits / temperature) with the uniforms `verify_sample` draws the target's own token
+with at the row that verifies the draft (coupled: where head and target agree, the head drafts
+the target's draw). A head with a restricted draft
 vocabulary only drafts ids in it. With `limit` (clamped to [0, k]) the chain stops at that many
 drafts: 0 drafts nothing, and the host keeps the rows' inputs to write the head's rows in the pass
 of the next round that drafts (a round that will not draft pays no head pass). n = min(k, limit) unless the chain reached the model's context or the pass's

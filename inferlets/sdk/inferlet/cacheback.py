@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import trace
 from .reference import lru_lookup, lru_update, ngram_lookup
-from .round import emit_and_fold, head_verify, lookup_context, verify_window
+from .round import emit_and_fold, lookup_context, verify_window
 
 
 # The acceptance estimate, in thousandths of a token. A round that drafts costs little more than
@@ -121,7 +121,7 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     prompt lookup when the context offers a match (and the gate is open), else by the head
     (`head_len` drafts, chained); the head is given every round's folded rows either way (the host
     writes them when it next drafts), so its state is current whenever it drafts. Channel "source"
-    (1 cell) says where the window's drafts came from (1: the head), for sampled verification's q.
+    (1 cell) says where the window's drafts came from (1: the head), for the gates.
     min_prob: the head's confidence stop (op mtp_draft). The guest's prompt pass must run the
     head's prefill program (`mtp.mtp_prefill_program`) with window_capacity = the "window" spec's.
 
@@ -160,8 +160,6 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
     if H:
         p.channel("source", "i64", 1)
         from_head = p.read("source")[0] > 0
-        if temperature > 0 and verify is None:
-            verify = head_verify(p, drafter, drafts, from_head)
 
     n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, verify, top_k, min_p, logit_bias,
                                penalties)

@@ -6,8 +6,9 @@ Pure Python (runs inside the Wasm component): only the epilogue tracer.
 The prompt's pass (`mtp_prefill_program`) runs the whole prompt with readout on every row and folds
 all but its last token; its epilogue runs the head over the folded rows (each row's hidden state
 with the token after it) and chains it into the first window's drafts. Each round of the loop
-(`mtp_program`) then verifies the window [t0, d1..dk] (greedy, or Leviathan rejection sampling with
-the head's own distributions as q), emits and folds 1 + accepted rows, runs the head over exactly
+(`mtp_program`) then verifies the window [t0, d1..dk] (greedy, or sampled against the target's own
+draws, which the head's sampled drafts are coupled to: op mtp_draft), emits and folds 1 + accepted
+rows, runs the head over exactly
 the rows it folds (so its KV rows stay those of the committed text) and chains it k times for the
 next window. The draft length adapts by cacheback's gate (`cacheback.gate`) under the head's rule
 (`cacheback.HEAD_GATE`: a longer moving average, and no halving after a miss).
@@ -39,9 +40,12 @@ def mtp_prefill_program(*, drafter, draft_len=4, max_tokens=256, temperature=0.0
 
 def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temperature=0.0, top_p=1.0, seed=0,
                 adaptive=True, probe_after=4, probe_max=32, gate_rule=HEAD_GATE, top_k=0, min_p=0.0,
-                logit_bias=None, penalties=None, min_prob=0.0):
+                logit_bias=None, penalties=None, min_prob=0.0, rejection=False):
     """Trace the MTP round. start: the frozen length when the loop starts (len(prompt) - 1).
     min_prob: the chain stops before a draft the head gives less than that probability (op mtp_draft).
+    rejection: sampled drafts are verified by Leviathan's rule with the head's distributions as q
+    (op draft_probs) instead of against the target's own draws; the output has the same
+    distribution, but the committed tokens then depend on the draws, not only on the seed.
     Returns (json_text, channel specs {name, dtype, capacity, init}): "out", "window" (filled by the
     prefill program), and "spec_state" (the draft gate's state) when adaptive."""
     from .cacheback import GATE_INIT
@@ -55,7 +59,7 @@ def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temp
     p.channel("window", "i64", K + 1)
     logits, win, hidden = p.logits(), p.window(), p.hidden()
     drafts = win[1:]
-    rule = head_verify(p, drafter, drafts, True) if temperature > 0 else None
+    rule = head_verify(p, drafter, drafts, True) if temperature > 0 and rejection else None
     n, vt, cnt = verify_window(p, drafts, logits, temperature, top_p, seed, rule, top_k, min_p, logit_bias,
                                penalties)
     out_len, emit, fold = emit_and_fold(p, n, vt, cnt, eos_ids, max_tokens, int(start))

@@ -6,10 +6,11 @@ searches for the next drafts. Pure Python (runs inside the Wasm component): only
 def verify_window(p, drafts, logits, temperature, top_p, seed, verify=None, top_k=0, min_p=0.0, bias=None,
                   penalties=None):
     """n accepted drafts, vt = the committed tokens (accepted drafts, then the target's), cnt = n + 1:
-    greedy (temperature <= 0) or Leviathan rejection sampling of the target as the one sampling
-    rule shapes it (temperature, top-k, min-p, top-p: `p.filtered`), so the committed tokens have
-    the distribution plain sampling under the same fields has.
-    verify(p, drafts, probs, seed) replaces the rejection rule (default p.verify_sample).
+    greedy (temperature <= 0) or sampled: each row's token is the target's own draw from its
+    distribution under the one sampling rule (temperature, top-k, min-p, top-p: `p.filtered`), and
+    drafts are accepted while they equal it (op verify_sample without q), so the committed tokens
+    are the same whatever was drafted and have plain sampling's distribution.
+    verify(p, drafts, probs, seed) replaces that rule (e.g. head_verify's rejection rule).
     bias: a logit bias {token id: value}, added first (greedy too); then penalties (args.Penalties),
     row i counting the drafts before it as plain decoding counts its committed tokens."""
     logits = p.penalized(p.biased(logits, bias), penalties)
@@ -21,8 +22,9 @@ def verify_window(p, drafts, logits, temperature, top_p, seed, verify=None, top_
 
 
 def head_verify(p, drafter, drafts, from_head):
-    """verify_window's rule for drafts that may come from an MTP head: q = the head's distributions
-    (from_head, a bool scalar) or one-hot (deterministic drafts, e.g. prompt lookup's)."""
+    """verify_window's rule by Leviathan's rejection rule for drafts that may come from an MTP head:
+    q = the head's distributions (from_head, a bool scalar) or one-hot (deterministic drafts, e.g.
+    prompt lookup's). mtp_program(rejection=True) uses it."""
     q = p.draft_probs(drafts, from_head, drafter)
     return lambda prog, d, probs, s: prog.verify_sample(d, probs, q, seed=s)
 
