@@ -22,6 +22,29 @@ def load_prompts(limit: int | None = None, ids: list[int] | None = None) -> list
     return rows[:limit] if limit else rows
 
 
+def per_category(rows: list[dict], n: int) -> list[dict]:
+    """The first n of `rows` in each category, in their order."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in rows:
+        if seen.get(r["category"], 0) < n:
+            seen[r["category"]] = seen.get(r["category"], 0) + 1
+            out.append(r)
+    return out
+
+
+def head_engine(model: str | None):
+    """The engine of `model` (default: the default model) and its first draft head's name; exits
+    with the command that attaches one where it has none."""
+    from host import store
+
+    engine = store.open_engine(model, kv_pages=1024)
+    if not engine.info.drafters:
+        raise SystemExit(f"model {engine.info.name} has no draft head: attach one with "
+                         f"`pie model import {engine.info.name} --drafter NAME`")
+    return engine, engine.info.drafters[0]
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from host import store
-
-from .common import bar_chart, load_prompts, machine, table, write
+from .common import bar_chart, head_engine, load_prompts, machine, per_category, table, write
 
 CONTENDERS = [("coupled", []), ("rejection", ["--rejection", "1"])]
 
@@ -39,18 +37,8 @@ def main(argv=None) -> None:
     from host.paths import resolve_inferlet
     from host.runtime.runtime import Runtime
 
-    engine = store.open_engine(args.model, kv_pages=1024)
-    if not engine.info.drafters:
-        raise SystemExit(f"model {engine.info.name} has no draft head: attach one with "
-                         f"`pie model import {engine.info.name} --drafter NAME`")
-    drafter = engine.info.drafters[0]
-    seen: dict[str, int] = defaultdict(int)
-    rows = []
-    for r in load_prompts():
-        if seen[r["category"]] < args.per_category:
-            seen[r["category"]] += 1
-            rows.append(r)
-    rows = rows[:args.prompts]
+    engine, drafter = head_engine(args.model)
+    rows = per_category(load_prompts(), args.per_category)[:args.prompts]
     temps = [float(t) for t in args.temperatures.split(",") if t]
     totals = {(t, lb): defaultdict(int) for t in temps for lb, _ in CONTENDERS}
     same_as_cacheback = {t: [] for t in temps}

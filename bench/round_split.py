@@ -32,9 +32,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from host import store
-
-from .common import RESULTS, load_prompts, machine, table, write
+from .common import RESULTS, head_engine, load_prompts, machine, per_category, table, write
 
 CONTENDERS = [("text-completion", "text-completion", []),
               ("mtp", "mtp-speculative-decoding", []),
@@ -129,18 +127,8 @@ def main(argv=None) -> dict:
     from host.paths import resolve_inferlet
     from host.runtime.runtime import Runtime
 
-    engine = store.open_engine(args.model, kv_pages=1024)
-    if not engine.info.drafters:
-        raise SystemExit(f"model {engine.info.name} has no draft head: attach one with "
-                         f"`pie model import {engine.info.name} --drafter NAME`")
-    drafter = engine.info.drafters[0]
-    seen: dict[str, int] = defaultdict(int)
-    rows = []
-    for r in load_prompts():
-        if seen[r["category"]] < args.per_category:
-            seen[r["category"]] += 1
-            rows.append(r)
-    rows = rows[:args.prompts]
+    engine, drafter = head_engine(args.model)
+    rows = per_category(load_prompts(), args.per_category)[:args.prompts]
     clocks = instrument(engine)
     per = []
     try:

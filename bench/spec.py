@@ -28,7 +28,7 @@ import torch
 
 from host import store
 
-from .common import RESULTS, chat_ids, geomean, load_hf, load_prompts, machine, on_compute, table, write
+from .common import RESULTS, chat_ids, geomean, load_hf, load_prompts, machine, on_compute, per_category, table, write
 
 # contender -> (inferlet, its extra arguments); DRAFTER stands for the model's first attached drafter
 DRAFTER = "{drafter}"
@@ -115,9 +115,7 @@ def main(argv=None) -> dict:
         keep = set(args.categories.split(","))
         rows = [r for r in rows if r["category"] in keep]
     if args.per_category:
-        seen: dict[str, int] = {}
-        rows = [r for r in rows if seen.setdefault(r["category"], 0) < args.per_category
-                and not seen.update({r["category"]: seen[r["category"]] + 1})]
+        rows = per_category(rows, args.per_category)
     names = [n for n in args.inferlets.split(",") if n]
     unknown = [n for n in names if n not in INFERLETS]
     if unknown:

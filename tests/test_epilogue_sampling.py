@@ -78,6 +78,21 @@ def test_deterministic_drafts_commit_the_targets_own_draws():
     assert not torch.equal(later[:, 0], a[:, 0])  # the position keys the draw
 
 
+def test_the_bonus_token_is_the_targets_own_draw_under_either_rule():
+    """After k accepted drafts both rules commit t_k, the race over row k's p as given: scaled
+    (unnormalised) weights give the same token under the rejection rule as without q."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.rand(64, K + 1, V, generator=g) * 3.7  # weights, not probabilities
+    drafts = torch.full((64, K), 1)
+    q = torch.zeros(64, K, V)
+    q[:, :, 1] = 1.0
+    p[:, :K, 1] = 1e6  # draft 1 holds nearly all of rows < K's mass: accepted
+    u_race = torch.rand(64, K + 1, V, generator=g)
+    n, toks, _ = speculative.verify_sample(drafts, p, q, torch.full((64, K), 0.5), u_race)
+    _, race, _ = speculative.verify_race(drafts, p, u_race)
+    assert (n == K).all() and torch.equal(toks[:, K], race[:, K])
+
+
 def test_broken_race_is_detected(monkeypatch):
     def always_accept(drafts, p, u):
         return speculative.verify_greedy(drafts, torch.cat([drafts, exp_race(p[:, -1:], u[:, -1:])], 1))

@@ -58,7 +58,7 @@ class DraftState:
     states must not keep it alive."""
 
     _ws: weakref.ref
-    q: torch.Tensor | None = None  # [n, Vd] the head's distributions of its last proposal's drafts
+    q: list[torch.Tensor] | None = None  # the head's [Vd] distributions of its last proposal's drafts, in order
     drafts: torch.Tensor | None = None  # that proposal (read only when q is asked for)
     at: int = -1  # the frozen length its window starts at
     pending: Pending | None = None
@@ -223,8 +223,8 @@ class HeadRunner:
         if temperature > 0:
             for i, b in enumerate(live):
                 st = states[b]
-                q = torch.stack(qs[i]) if qs[i] else None  # None: no draft (a confidence stop at the first)
-                st.q, st.drafts, st.at = q, drafts[b, :n[b]], st.ws.frozen + counts[b]
+                # the rows as drawn, stacked only if draft_probs asks (the rejection rule)
+                st.q, st.drafts, st.at = qs[i], drafts[b, :n[b]], st.ws.frozen + counts[b]
         return drafts, n
 
     def probs(self, state: DraftState, drafts: list[int]) -> torch.Tensor:
@@ -233,11 +233,11 @@ class HeadRunner:
         real = [d for d in drafts if d >= 0]
         if not real:
             return q
-        if state.q is None or state.at != state.ws.frozen or state.drafts[:len(real)].tolist() != real \
+        if not state.q or state.at != state.ws.frozen or state.drafts[:len(real)].tolist() != real \
                 or any(d >= 0 for d in drafts[len(real):]):
             raise InvalidArgument(f"drafter {self.name!r}: this window's drafts are not the head's last sampled "
                                   "proposal for this working set (draft_probs needs from_head only for them)")
-        rows = state.q[:len(real)].to(q.device)
+        rows = torch.stack(state.q[:len(real)]).to(q.device)
         if self._ids is None:
             q[:len(real)] = rows
         else:

@@ -50,8 +50,10 @@ def _coupled_draws(ctx, runner, counts: list[int], salt: int):
     at the row that verifies it, the next window's row j (position: this window's first + the
     rows folded + j), over the head's draft vocabulary. A head drawing its draft from the target's
     uniforms drafts what the target draws wherever the two distributions agree (Gumbel-max
-    coupling): verification by the target's own draw then accepts it about as often as the
-    rejection rule with q would, and the committed tokens do not depend on the draft."""
+    coupling), and the committed tokens do not depend on the draft. It accepts as often as the
+    rejection rule with q where head and target are alike and less where their shapes differ
+    (`python -m bench.coupling`, eagle3 head: 0.48 against 0.47 accepted a draft at T=0.7, 0.49
+    against 0.56 at T=1.0; docs/performance.md)."""
     V, ids = runner.vocab_size, runner.draft_ids
 
     def draws(bs: list[int], j: int) -> torch.Tensor:

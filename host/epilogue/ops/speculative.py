@@ -213,17 +213,19 @@ def verify_sample(drafts, p, q, u_accept, u_race):
     the bonus row's."""
     B, k = drafts.shape
     V = p.shape[2]
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    pk = p[:, :k] / p[:, :k].sum(-1, keepdim=True).clamp_min(1e-30)
     valid = (drafts >= 0) & (drafts < V)
     dc = drafts.clamp(0, V - 1).unsqueeze(-1)
     q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
-    px = p[:, :k].gather(-1, dc).squeeze(-1)
+    px = pk.gather(-1, dc).squeeze(-1)
     qx = q.gather(-1, dc).squeeze(-1)
     accept = valid & (u_accept * qx < px)  # u < p(x)/q(x) without dividing
     n = accept.to(torch.int64).cumprod(-1).sum(-1)
-    resid = (p[:, :k] - q).clamp_min(0)
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p[:, :k])  # p == q: residual is empty
-    dist = torch.cat([resid, p[:, k:]], dim=1)  # row k: bonus token from p
+    resid = (pk - q).clamp_min(0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pk)  # p == q: residual is empty
+    # row k: the bonus token is the target's own draw t_k, raced over p as given (as verify_race and
+    # `sample` race it: the same bits whichever rule verified the drafts before it)
+    dist = torch.cat([resid, p[:, k:]], dim=1)
     samples = exp_race(dist, u_race)  # [B, k+1]
     s = samples.gather(1, n.unsqueeze(1))
     j = torch.arange(k + 1, device=p.device).unsqueeze(0)
