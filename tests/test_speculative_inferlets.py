@@ -145,17 +145,20 @@ def test_draft_len_zero_is_plain_decoding(runtime, text_completion_wasm, cacheba
         assert r.stats["drafted_tokens"] == 0 and r.stats["passes"] == len(want) + 1  # prefill + one per token
 
 
-def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_proposer_wasm, mtp_wasm, drafter):
+def test_seeded_sampling_repeats_exactly(runtime, text_completion_wasm, cacheback_wasm, ngram_proposer_wasm,
+                                         mtp_wasm, drafter):
     """A seed repeats a run while other runs share the batch and the namespace's suffix index, whose
     drafts then differ from run to run: the device loops commit the target's own draws, keyed by
     the seed and the position, whatever was drafted (a head's sampled drafts are coupled to them),
-    so cacheback with or without drafts, MTP and the hybrid give one text at one seed.
+    so cacheback with or without drafts, MTP, the hybrid and plain decoding (text-completion, its
+    device and guest loops) give one text at one seed.
     ngram-proposer verifies in the guest with its own generator: its run repeats."""
     prompt = dev_prompts()[0]["prompt"]
     other = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "99")
     hybrid = ("--drafter", drafter)
     jobs = [(w, h + a) for w, h in ((cacheback_wasm, ()), (ngram_proposer_wasm, ()), (mtp_wasm, ()), (cacheback_wasm, hybrid))
             for a in (SAMPLED, SAMPLED, other)] + [(cacheback_wasm, ("--draft-len", "0") + SAMPLED)]
+    jobs += [(text_completion_wasm, loop + SAMPLED) for loop in ((), ("--loop", "guest"))]
     hs = [runtime.start(w, _args(prompt, 24, *a)) for w, a in jobs]
     res = [h.result(timeout=600) for h in hs]
     assert all(r.ok for r in res), [r.error for r in res]
@@ -165,6 +168,7 @@ def test_seeded_sampling_repeats_exactly(runtime, cacheback_wasm, ngram_proposer
         _check_stats(a)
     assert res[12].stats["drafted_tokens"] == 0
     assert res[12].token_ids == res[0].token_ids == res[6].token_ids == res[9].token_ids
+    assert res[13].token_ids == res[14].token_ids == res[0].token_ids
     assert res[2].token_ids == res[8].token_ids == res[11].token_ids  # seed 99 too
     assert res[6].stats["accepted_tokens"] > 0 and res[9].stats["accepted_tokens"] > 0
 

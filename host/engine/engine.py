@@ -61,8 +61,9 @@ class Pass:
     tokens: the window's ids (a list, or an int64 tensor on the model's device).
     readout: window rows whose logits (and hidden state) are returned.
     fold: rows frozen after the pass: a count, or Fold.ALL.
-    choose(logits, first_position): picks a token per readout row (argmax, a sampler) on the
-    compute thread, right after the model call, before the caller is woken (PassOutput.tokens).
+    choose(logits, draw_position): picks a token per readout row (argmax, a sampler) on the
+    compute thread, right after the model call, before the caller is woken (PassOutput.tokens);
+    draw_position: the absolute position of the last readout row (Pass.draw_position).
     """
 
     ws: WorkingSet
@@ -80,6 +81,11 @@ class Pass:
 
     def __post_init__(self):
         self.window = len(self.tokens)
+
+    def draw_position(self, first: int) -> int:
+        """Where the pass's random draws are keyed (its window starting at `first`): the position of
+        its last readout row, the row whose token a one-row readout draws."""
+        return first + (self.readout[-1] if self.readout else self.window - 1)
 
 
 def check_shape(window: int, readout: list[int] | None, fold: int | Fold) -> None:

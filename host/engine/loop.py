@@ -200,7 +200,8 @@ def run_epilogues(loops: list[DeviceLoop], passes: list[Pass], outs: list[PassOu
                 window, window_len = None, ps.window
         logits = out.logits.numpy() if host and out.logits is not None else out.logits
         envs[i] = Env(logits=logits, vocab=vocab, window=window, history=hist, hidden=out.hidden, channels=loop.channels,
-                      matchers=loop.matchers, drafters=loop.drafters, suffix=loop.suffix, seed=loop.seed, round=loop.round, window_len=window_len, position=first)
+                      matchers=loop.matchers, drafters=loop.drafters, suffix=loop.suffix, seed=loop.seed, round=loop.round, window_len=window_len, position=first,
+                      draw_position=ps.draw_position(first))
         key = (id(loop.program), len(ps.readout), ps.window, None if hist is None else hist.shape[0],
                out.hidden is None)
         groups.setdefault(key, []).append(i)

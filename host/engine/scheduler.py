@@ -139,7 +139,7 @@ class Scheduler:
                     eng.apply_known_fold(ps, first)
                     if ps.choose is not None:  # here, where the logits are: no second hop for it
                         try:
-                            out.tokens = ps.choose(out.logits, first)
+                            out.tokens = ps.choose(out.logits, ps.draw_position(first))
                         except Exception as e:
                             fut.set_exception(detached(unexpected("choosing the pass's tokens", e)))
                             continue

@@ -161,7 +161,10 @@ class Env:
     round: int = 0
     window_len: int | None = None
     vocab: int | None = None  # the model's vocabulary: binds V for a program that reads no logits
-    position: int = 0  # the absolute position of the window's first row: random draws are keyed by it
+    position: int = 0  # the absolute position of the window's first row: verify_sample keys row r by position + r
+    # the absolute position of the pass's last readout row: `sample` and `rand` key their draws by
+    # it, as verify_sample keys that row's (None: position)
+    draw_position: int | None = None
 
 
 @dataclass

@@ -41,10 +41,10 @@ class Stream(enum.IntEnum):
 
 def draw_seed(seed: int, position: int, stream: Stream, salt: int) -> int:
     """The generator seed of one draw: a host-side hash of host ints (no sync). A draw is keyed
-    by the run's seed, the absolute position of the first row of the pass's window, its kind
-    and the op's own seed, so it does not depend on how a sequence was split into passes or
-    rounds, nor on which other passes share the batch: a guest-driven decode step and a device
-    loop's round at the same position draw the same uniforms."""
+    by the run's seed, the absolute position of the row it draws for, its kind and the op's own
+    seed, so it does not depend on how a sequence was split into passes or rounds, nor on which
+    other passes share the batch: a guest-driven decode step, a device loop's round and a
+    speculative round's verification at the same position draw the same uniforms."""
     h = 0
     for part in (seed, position, int(stream), salt):
         h = _splitmix(h ^ (part & _MASK64))
@@ -78,13 +78,16 @@ class Ctx:
     matchers: list = None  # per pass: name -> GrammarMatcher (env.py), for the grammar ops
     drafters: list = None  # per pass: name -> DraftBinding (env.py), for the drafter ops
     suffixes: list = None  # per pass: its SuffixSource (env.py) or None, for suffix_draft
+    draws_at: list[int] = None  # per pass: the position `uniforms` keys by (Env.draw_position; None: positions)
 
     def shape(self, v: Value) -> list[int]:
         return [d.resolve(self.bind) for d in v.shape]
 
     def uniforms(self, stream: Stream, salt: int, shape: list[int]) -> torch.Tensor:
-        """[B, *shape] uniforms in [0, 1); pass b's from its own generator (see draw_seed)."""
-        return torch.stack([uniforms(s, p, stream, salt, shape, self.device) for s, p in zip(self.seeds, self.positions)])
+        """[B, *shape] uniforms in [0, 1); pass b's from its own generator (see draw_seed), keyed by
+        the position of its last readout row (the row a one-row readout's token is drawn for)."""
+        at = self.positions if self.draws_at is None else self.draws_at
+        return torch.stack([uniforms(s, p, stream, salt, shape, self.device) for s, p in zip(self.seeds, at)])
 
     def row_uniforms(self, stream: Stream, salt: int, rows: int, shape: list[int]) -> torch.Tensor:
         """[B, rows, *shape] uniforms in [0, 1); row r of pass b keyed by the position of its window's

@@ -36,7 +36,7 @@ class Context:
 class Sampler:
     """The one sampling rule (the logit bias, the penalties, temperature, top-k, min-p, the
     top-p nucleus); a pass's draws are keyed by the sampler's seed and the position of the pass's
-    first row (tensors.draw_seed)."""
+    last readout row (tensors.draw_seed), as a `sample` op's and, for that row, verify_sample's."""
 
     def __init__(self, temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0,
                  bias: dict[int, float] | None = None, penalties: Penalties | None = None):
@@ -58,8 +58,9 @@ class Sampler:
         self.penalties = penalties if penalties is not None and penalties.active else None
 
     def sample(self, logits: torch.Tensor, position: int, context: Context | None = None) -> list[int]:
-        """One id per row of `logits` [rows, V], the rows of a pass whose window starts at `position`;
-        `context` is what the penalties count (needed when there are any)."""
+        """One id per row of `logits` [rows, V], the readout rows of a pass whose last readout row is
+        at `position` (Pass.draw_position); `context` is what the penalties count (needed when
+        there are any)."""
         if self.bias:
             rows = logits.shape[0]
             idx = torch.tensor(list(self.bias), dtype=torch.int64, device=logits.device).expand(rows, -1)

@@ -44,12 +44,12 @@ def generate(args) -> None:
     try:
         program, specs = cacheback.cacheback_program(
             prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias,
             penalties=args.penalties(len(prompt)),
             lookup_window=max(LOOKUP_WINDOW, 2 * K + 2), drafter=drafter, head_len=H,
             suffix=bool(args.extra["suffix_draft"]), min_prob=args.extra["min_prob"])
         first = None if drafter is None else mtp.mtp_prefill_program(
-            drafter=drafter, draft_len=H, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+            drafter=drafter, draft_len=H, max_tokens=args.max_tokens, temperature=args.temperature,
             window_capacity=max(K, H) + 1, min_prob=args.extra["min_prob"])
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -41,7 +41,7 @@ def generate(args) -> None:
     try:
         program, specs = constrained.constrained_program(
             prompt=prompt, draft_len_max=K, ngram_min=nmin, ngram_max=nmax, eos_ids=model.eos_ids,
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias,
             penalties=args.penalties(len(prompt)),
             lookup_window=LOOKUP_WINDOW, forced=matcher.forced())
     except ValueError as e:

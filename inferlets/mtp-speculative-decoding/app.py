@@ -36,11 +36,11 @@ def generate(args) -> None:
     try:
         program, specs = mtp.mtp_program(
             drafter=name, start=len(prompt) - 1, draft_len=K, eos_ids=model.eos_ids, max_tokens=args.max_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, seed=args.seed, adaptive=not args.extra["fixed"],
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, logit_bias=args.logit_bias, adaptive=not args.extra["fixed"],
             penalties=args.penalties(len(prompt)), min_prob=args.extra["min_prob"],
             rejection=bool(args.extra["rejection"]))
         first = mtp.mtp_prefill_program(drafter=name, draft_len=K, max_tokens=args.max_tokens,
-                                        temperature=args.temperature, seed=args.seed,
+                                        temperature=args.temperature,
                                         min_prob=args.extra["min_prob"])
     except ValueError as e:
         raise UsageError(str(e)) from None

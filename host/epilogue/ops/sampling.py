@@ -228,7 +228,8 @@ def sample_logits(logits: torch.Tensor, temperature: float, top_p: float, u: tor
 
 define("sample", F, args=1, attrs={"seed": SEED}, infer=_sample_infer, impl=_sample,
        doc="`sample(w: f32 [..., V]; seed=0)` -> i64 [...]: index i with probability w_i / sum(w) over the last "
-           "axis (w >= 0, need not be normalised); -1 if no w_i > 0. Temperature, top-k, min-p and top-p are "
+           "axis (w >= 0, need not be normalised); -1 if no w_i > 0. Its uniforms are keyed by the position of the "
+           "pass's last readout row, as verify_sample keys that row's target draw. Temperature, top-k, min-p and top-p are "
            "composed from the ops above (the tracer's `p.sample(logits, temperature, top_k, top_p, seed, min_p)` "
            "does it in that order).")
 

@@ -168,7 +168,7 @@ class ForwardCalls:
             if sampler.penalties is not None:  # row r counts the working set's tokens, then the window's to r
                 held = len(ps.ws.tokens)
                 context = Context(list(ps.ws.tokens) + list(ps.tokens), [held + r + 1 for r in ps.readout])
-                ps.choose = lambda logits, first: sampler.sample(logits, first, context)
+                ps.choose = lambda logits, at: sampler.sample(logits, at, context)
         inst.scored = ps.ws
         out = inst.scheduler.forward(ps)
         inst.passes += 1

@@ -110,7 +110,9 @@ def cacheback_program(*, prompt, draft_len_max=8, ngram_min=1, ngram_max=3, eos_
 
     The draft length follows `draft_gate` (probe_after, probe_max).
     temperature <= 0 is greedy. verify(p, drafts, probs, seed) -> (accepted, tokens, count)
-    replaces the rejection rule (default p.verify_sample) for sampled runs.
+    replaces the rejection rule (default p.verify_sample) for sampled runs. seed: the ops' own
+    seed; the run's seed (the pass's) keys the draws, and at the default 0 a row draws what plain
+    decoding's `sample` draws at that position, so every inferlet samples one text at one seed.
     start: the working set's frozen length when the loop starts (default len(prompt) - 1).
     penalties: args.Penalties (their output_start: where the output starts in the working set).
     The tokens produced so far are counted as history length - start (every round folds

@@ -43,6 +43,7 @@ def mtp_program(*, drafter, start, draft_len=4, eos_ids=(), max_tokens=256, temp
                 logit_bias=None, penalties=None, min_prob=0.0, rejection=False):
     """Trace the MTP round. start: the frozen length when the loop starts (len(prompt) - 1).
     min_prob: the chain stops before a draft the head gives less than that probability (op mtp_draft).
+    seed: the ops' own seed, as cacheback_program's (default 0: plain decoding's draws).
     rejection: sampled drafts are verified by Leviathan's rule with the head's distributions as q
     (op draft_probs) instead of against the target's own draws; the output has the same
     distribution, but the committed tokens then depend on the draws, not only on the seed.
