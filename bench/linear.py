@@ -8,7 +8,11 @@ for oneDNN at every row count, and packed as the engine runs them (host/engine/l
 skinny_linear, or block_linear over a file's blocks, at every row count), interleaved, and reports the median of
 --repeats. A batch of 8 one-row passes (8 working sets) is the batched-decode case. The readout
 (lm_head) takes the same path as the layers. Also checks the paths give the same logits to
-tolerance. Writes JSON and a table to results/.
+tolerance. The roofline beside it: the multiply-adds a read-out row costs (every linear's
+inputs x outputs, the readout's included), this CPU's float32 vector multiply-add peak on the
+compute threads (bench/fma_peak.cpp, built for this machine), and so the least a row can add to
+a pass, against what each window's rows past the first add (engine path). Writes JSON and a
+table to results/.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,22 +73,46 @@ def _run(args) -> dict:
                 times[(name, p)].append(once(passes, p)[0])
     rows = []
     one = statistics.median(times[(f"{args.windows[0]} rows", "engine")]) * 1e3
+    roof = roofline(engine)
     for name in cases:
         stock, dnn, ours = (statistics.median(times[(name, p)]) * 1e3 for p in PATHS)
+        w = len(cases[name][0].readout) if len(cases[name]) == 1 else 1
+        extra = (ours - one) / (w - args.windows[0]) if name.endswith(" rows") and w > args.windows[0] else None
         rows.append({"case": name, "stock_ms": stock, "onednn_ms": dnn, "engine_ms": ours,
-                     "onednn_over_engine": dnn / ours, "engine_vs_first": ours / one, "max_abs_logit_diff": diff[name]})
+                     "onednn_over_engine": dnn / ours, "engine_vs_first": ours / one, "max_abs_logit_diff": diff[name],
+                     "engine_ms_a_row_past_first": extra})
     md = (f"Model pass time, {engine.info.name} ({engine.info.dtype}, {engine.info.device}), context "
           f"{args.context}, median ms of {args.repeats}, paths interleaved; {engine.linears.count} linear layers; "
           "engine: skinny_linear / block_linear at every row count\n\n"
           + table(["case", "stock ms", "oneDNN ms", "engine ms", "oneDNN / engine", f"engine / {args.windows[0]} row",
                    "max |logit diff|"],
                   [[r["case"], r["stock_ms"], r["onednn_ms"], r["engine_ms"], r["onednn_over_engine"],
-                    r["engine_vs_first"], f"{r['max_abs_logit_diff']:.1e}"] for r in rows]))
+                    r["engine_vs_first"], f"{r['max_abs_logit_diff']:.1e}"] for r in rows])
+          + f"\n\nRoofline: a read-out row is {roof['macs_a_row'] / 1e6:.1f}M multiply-adds; this CPU's float32 "
+          f"peak is {roof['fma_per_s'] / 1e9:.2f}G {roof['lanes']}-lane FMAs a second on {roof['threads']} threads, "
+          f"so a row adds at least {roof['floor_ms_a_row']:.2f} ms. What a row past the first added (engine): "
+          + ", ".join(f"{r['case']} {r['engine_ms_a_row_past_first']:.2f} ms"
+                      for r in rows if r["engine_ms_a_row_past_first"] is not None) + ".")
     path = write("linear", {"benchmark": "linear", "model": engine.info.name, "machine": machine(),
-                            "context": args.context, "rows": rows}, md)
+                            "context": args.context, "rows": rows, "roofline": roof}, md)
     print(md)
     print(f"\nwrote {path}")
     return {"rows": rows}
+
+
+def roofline(engine) -> dict:
+    """The multiply-adds of one read-out row (the model's linears, readout included) and this
+    CPU's float32 vector multiply-add peak on the compute threads: the least a row adds."""
+    from torch.utils.cpp_extension import load
+
+    macs = sum(m.in_features * m.out_features for m in engine.model.modules()
+               if hasattr(m, "in_features") and hasattr(m, "out_features") and not list(m.children()))
+    peak = load("pie_bench_fma_peak", [str(Path(__file__).with_name("fma_peak.cpp"))],
+                extra_cflags=["-O2", "-march=native"], verbose=False)
+    threads = torch.get_num_threads()
+    rate, lanes = max(peak.fma_peak(threads, 20_000_000) for _ in range(3))
+    return {"macs_a_row": macs, "fma_per_s": rate, "lanes": lanes, "threads": threads,
+            "gflops": 2 * lanes * rate / 1e9, "floor_ms_a_row": 1e3 * macs / (lanes * rate)}
 
 
 if __name__ == "__main__":
