@@ -173,7 +173,7 @@ class _Builder:
         if self.uses_ctx:
             head.append("ctx = Ctx(%d, dev, bind, [e.seed for e in envs], [e.position for e in envs], values, "
                         "[e.matchers for e in envs], [e.drafters for e in envs], [e.suffix for e in envs], "
-                        "[e.position if e.draw_position is None else e.draw_position for e in envs])" % self.B)
+                        "[e.draw_position for e in envs])" % self.B)
         src = "def run(envs, bind, dev):\n" + "".join(f"    {line}\n" for line in head + self.lines)
         exec(compile(src, "<epilogue plan>", "exec"), self.scope)
         fn = self.scope["run"]

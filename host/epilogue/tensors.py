@@ -78,7 +78,7 @@ class Ctx:
     matchers: list = None  # per pass: name -> GrammarMatcher (env.py), for the grammar ops
     drafters: list = None  # per pass: name -> DraftBinding (env.py), for the drafter ops
     suffixes: list = None  # per pass: its SuffixSource (env.py) or None, for suffix_draft
-    draws_at: list[int] = None  # per pass: the position `uniforms` keys by (Env.draw_position; None: positions)
+    draws_at: list = None  # per pass: Env.draw_position, the position `uniforms` keys by (None: its position)
 
     def shape(self, v: Value) -> list[int]:
         return [d.resolve(self.bind) for d in v.shape]
@@ -86,7 +86,7 @@ class Ctx:
     def uniforms(self, stream: Stream, salt: int, shape: list[int]) -> torch.Tensor:
         """[B, *shape] uniforms in [0, 1); pass b's from its own generator (see draw_seed), keyed by
         the position of its last readout row (the row a one-row readout's token is drawn for)."""
-        at = self.positions if self.draws_at is None else self.draws_at
+        at = [p if d is None else d for p, d in zip(self.positions, self.draws_at or [None] * self.B)]
         return torch.stack([uniforms(s, p, stream, salt, shape, self.device) for s, p in zip(self.seeds, at)])
 
     def row_uniforms(self, stream: Stream, salt: int, rows: int, shape: list[int]) -> torch.Tensor:
